@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each sets up .venv
+# idempotently first. On a machine without CUDA the CPU build of torch is installed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/tiny-deepseek-mtp.yaml
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: setup serve test test-all clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/moespec serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,186 @@
+"""Building blocks shared by the models: norms, rotary embeddings, linear layers, MLPs.
+
+Shapes legend: T tokens (flattened batch), H heads, D head dim, R rope dim, M hidden size,
+I intermediate size, V vocab.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_BLOCK = 128
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek FP8 e4m3 weight [out, in] with one scale per 128x128 block [ceil(out/128), ceil(in/128)]."""
+    out_dim, in_dim = weight.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_dim].repeat_interleave(FP8_BLOCK, 1)[:, :in_dim]
+    return (weight.float() * scale).to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear with one dispatch point for quantized weights.
+
+    Weights arrive in the model dtype (FP8 checkpoints are dequantized by the loader on CPU).
+    A GPU build can register an FP8 GEMM in `FP8_GEMM` and keep `weight` in float8 with its
+    `weight_scale_inv`; forward then calls that kernel instead of dequantizing.
+    """
+
+    FP8_GEMM = None  # callable(x, weight_fp8, scale_inv) -> y, set by a GPU backend
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.weight_scale_inv: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, self.bias)
+        if Linear.FP8_GEMM is not None:
+            return Linear.FP8_GEMM(x, self.weight, self.weight_scale_inv)
+        return F.linear(x, dequantize_fp8_block(self.weight, self.weight_scale_inv, x.dtype), self.bias)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters as HF configs write them (`rope_scaling` or `rope_parameters`)."""
+
+    theta: float = 10000.0
+    type: str = "default"  # default | linear | yarn | llama3
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+    ALLOWED_TYPES = ("default", "linear", "yarn", "llama3")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "RopeConfig":
+        params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in cls.ALLOWED_TYPES:
+            raise ValueError(f"config.json: rope type {rope_type!r} is not supported; allowed: {cls.ALLOWED_TYPES}")
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim", "attention_factor", "truncate", "low_freq_factor", "high_freq_factor")
+        given = {k: params[k] for k in keys if params.get(k) is not None}
+        return cls(theta=float(theta), type=rope_type, **given)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def compute_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale ("attention factor") for a rope type."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.type == "default":
+        return inv_freq, 1.0
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        return llama3_inv_freq(inv_freq, rope), 1.0
+    return yarn_inv_freq(rope, dim, max_position_embeddings)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings or 8192
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for token positions; `interleave` rotates pairs (x0,x1),(x2,x3) as DeepSeek does."""
+
+    def __init__(self, dim: int, rope: RopeConfig, max_position_embeddings: int, interleave: bool = False) -> None:
+        super().__init__()
+        inv_freq, self.scale = compute_inv_freq(rope, dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = interleave
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
+        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, R] -> rotated [T, H, R]; interleaved input comes out de-interleaved (same for q and k)."""
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,83 @@
+"""Routed-expert computation behind one interface, so expert parallelism can replace where
+experts live without touching the model.
+
+Shapes legend: T tokens, A activated experts per token, E experts (local), M hidden, I intermediate.
+"""
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moespec.models.weights import WeightError
+
+EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class MoEExperts(Protocol):
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, M], topk_ids [T, A] global expert ids, topk_weights [T, A] -> weighted sum [T, M]."""
+        ...
+
+
+class LocalExperts(nn.Module):
+    """Experts [first, first + num_local) stacked as w13 [E, 2I, M] (gate; up) and w2 [E, M, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0,
+                 num_local: int | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.first = num_experts, first
+        self.num_local = num_experts if num_local is None else num_local
+        self.intermediate = intermediate
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, intermediate))
+        for param, parts in ((self.w13, 2), (self.w2, 1)):
+            param.weight_loader = self.load_expert
+            param.num_loads = self.num_local * parts
+        nn.init.normal_(self.w13, std=0.02)
+        nn.init.normal_(self.w2, std=0.02)
+
+    @classmethod
+    def for_config(cls, config) -> "LocalExperts":
+        return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def load_expert(self, param: torch.Tensor, tensor: torch.Tensor, name: str) -> bool:
+        """Copy one checkpoint expert matrix into its slot; experts of other ranks are skipped."""
+        match = EXPERT_NAME.match(name)
+        if match is None:
+            raise WeightError(f"tensor {name!r} does not name an expert matrix (experts.<id>.<proj>.weight)")
+        expert, proj = int(match.group(1)), match.group(2)
+        if not self.first <= expert < self.first + self.num_local:
+            return False
+        I = self.intermediate
+        target = {"gate_proj": self.w13[expert - self.first, :I], "up_proj": self.w13[expert - self.first, I:],
+                  "down_proj": self.w2[expert - self.first]}[proj]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        return True
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """All ids must be local: the EP layer sends each rank only its experts' tokens."""
+        out = torch.zeros_like(x)  # [T, M]
+        A = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten() - self.first  # [T*A]
+        flat_weights = topk_weights.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        start = 0
+        for local, count in enumerate(torch.bincount(flat_ids, minlength=self.num_local).tolist()):
+            if count == 0:
+                continue
+            picks = order[start: start + count]  # [n] (token, slot) entries routed to this expert
+            start += count
+            tokens = picks // A
+            out.index_add_(0, tokens, self.run_expert(local, x[tokens]) * flat_weights[picks, None])
+        return out
+
+    def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13[local]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(F.silu(gate) * up, self.w2[local])  # [n, M]

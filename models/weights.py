@@ -1,0 +1,145 @@
+"""HF model directories: config.json access, safetensors reading (single or sharded, FP8 block
+scales dequantized on CPU) and loading tensors into a model with clear errors."""
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from moespec.models.layers import dequantize_fp8_block
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+class WeightError(ValueError):
+    """A checkpoint does not match the model: names the tensor and what was expected."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """KV cache layout of one attention layer: kv heads, key dim, value dim (None: values are keys[..., :v_dim])."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    separate_v: bool = True
+
+
+def hf_get(hf: dict, key: str):
+    if key not in hf:
+        raise WeightError(f"config.json is missing required key {key!r}")
+    return hf[key]
+
+
+def hf_eos_ids(hf: dict) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
+    return json.loads(path.read_text())
+
+
+class WeightLoader:
+    """Streams (name, tensor) pairs from a model directory's safetensors files."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, show_progress: bool = True) -> None:
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.show_progress = show_progress
+        self.files = self.index_files()
+
+    def index_files(self) -> dict[str, Path]:
+        """tensor name -> file holding it."""
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.model_dir / file for name, file in weight_map.items()}
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model directory {str(self.model_dir)!r} has no *.safetensors files")
+        names = {}
+        for file in files:
+            with safe_open(file, "pt") as f:
+                names.update({name: file for name in f.keys()})
+        return names
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        names = [n for n in self.files if not n.endswith(SCALE_SUFFIX)]
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        bar = tqdm(total=len(names), desc="loading weights", unit="tensor", disable=not self.show_progress)
+        for file, file_names in by_file.items():
+            with safe_open(file, "pt") as f:
+                for name in file_names:
+                    yield name, self.read(f, name)
+                    bar.update(1)
+        bar.close()
+
+    def read(self, f, name: str) -> torch.Tensor:
+        tensor = f.get_tensor(name)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in self.files:
+                raise WeightError(f"FP8 tensor {name!r} has no block scale {scale_name!r}")
+            with safe_open(self.files[scale_name], "pt") as sf:
+                return dequantize_fp8_block(tensor, sf.get_tensor(scale_name), self.dtype)
+        return tensor
+
+    def load_into(self, model: nn.Module, rename: Callable[[str], str | None] = lambda n: n,
+                  ignore_missing: tuple[str, ...] = (), ignore_unexpected: tuple[str, ...] = (),
+                  checkpoint_name: Callable[[str], str] = lambda n: n,
+                  capture: Callable[[str], bool] = lambda n: False) -> dict[str, torch.Tensor]:
+        """Copy every checkpoint tensor into the model; missing/unexpected/mis-shaped -> WeightError.
+
+        `rename` maps a checkpoint name to a parameter name (None: skip on purpose) and
+        `checkpoint_name` maps back for error messages; tensors for which `capture` is true are
+        returned instead of loaded. A parameter
+        with a `weight_loader(param, tensor, ckpt_name) -> bool` attribute (stacked experts) loads
+        its parts itself and declares how many parts it expects in `num_loads`.
+        """
+        targets = dict(model.named_parameters())
+        targets.update({n: b for n, b in model.named_buffers() if not n.endswith("inv_freq")})
+        loaded: Counter[str] = Counter()
+        captured: dict[str, torch.Tensor] = {}
+        for name, tensor in self.tensors():
+            if capture(name):
+                captured[name] = tensor
+                continue
+            target = rename(name)
+            if target is None:
+                continue
+            param = targets.get(target)
+            if param is None:
+                if any(fnmatch.fnmatch(name, p) for p in ignore_unexpected):
+                    continue
+                raise WeightError(f"unexpected tensor {name!r} in checkpoint {str(self.model_dir)!r}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loaded[target] += int(loader(param, tensor, name))
+                continue
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded[target] += 1
+        missing = [f"{checkpoint_name(n)} {tuple(p.shape)}" for n, p in targets.items()
+                   if loaded[n] < getattr(p, "num_loads", 1) and not any(fnmatch.fnmatch(n, pat) for pat in ignore_missing)]
+        if missing:
+            raise WeightError(f"checkpoint {str(self.model_dir)!r} is missing tensors for: {', '.join(missing[:8])}"
+                              + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
+        return captured

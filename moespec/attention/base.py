@@ -1,0 +1,75 @@
+"""Attention backend interface, shaped like FlashInfer: `plan(metadata)` once per batch on the
+host, `run(...)` once per layer.
+
+Shapes legend: T tokens (flattened batch), B requests, H query heads, Hk kv heads, Dk key dim,
+Dv value dim, P pages, S page size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each request's queries sit in the flat batch and which KV pages it reads.
+
+    Tokens of one request are contiguous in the flat batch; request b owns queries
+    qo_indptr[b]:qo_indptr[b+1] and pages kv_indices[kv_indptr[b]:kv_indptr[b+1]]; its KV length
+    (after this step's tokens are written) is (num_pages - 1) * S + kv_last_page_len[b].
+    A query at position p attends KV positions <= p unless `custom_mask` says otherwise.
+    """
+
+    qo_indptr: torch.Tensor  # [B+1] int64
+    kv_indptr: torch.Tensor  # [B+1] int64
+    kv_indices: torch.Tensor  # [sum of pages] int64 page ids
+    kv_last_page_len: torch.Tensor  # [B] int64, 1..S
+    positions: torch.Tensor  # [T] int64
+    page_size: int
+    custom_mask: torch.Tensor | None = None  # flat bool: per request q_len x kv_len, True = attend
+
+    @property
+    def num_requests(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    def kv_lens(self) -> torch.Tensor:
+        num_pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (num_pages - 1) * self.page_size + self.kv_last_page_len  # [B]
+
+    def q_lens(self) -> torch.Tensor:
+        return self.qo_indptr[1:] - self.qo_indptr[:-1]  # [B]
+
+
+@dataclass
+class LayerKV:
+    """One layer's paged cache. `v` is None when values are the first Dv dims of keys (MLA latent)."""
+
+    k: torch.Tensor  # [P, S, Hk, Dk]
+    v: torch.Tensor | None  # [P, S, Hk, Dv]
+
+
+class AttentionBackend(Protocol):
+    def plan(self, metadata: AttentionMetadata) -> None: ...
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: LayerKV | None,
+            scale: float, v_dim: int) -> torch.Tensor:
+        """q [T,H,Dk], new k [T,Hk,Dk], new v [T,Hk,Dv] or None -> out [T,H,Dv]; writes k/v into cache."""
+        ...
+
+
+class ForwardContext:
+    """What a model needs for one forward: a planned backend and the model's own KV cache.
+
+    The target and its draft share one plan (same page ids) and differ only in `caches`.
+    """
+
+    def __init__(self, backend: AttentionBackend, caches: list[LayerKV] | None) -> None:
+        self.backend = backend
+        self.caches = caches
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               scale: float, v_dim: int) -> torch.Tensor:
+        cache = self.caches[layer_id] if self.caches is not None else None
+        return self.backend.run(q, k, v, cache, scale, v_dim)

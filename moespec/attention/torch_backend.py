@@ -1,0 +1,98 @@
+"""Reference attention backends in plain torch (CPU or any device).
+
+`TorchPagedAttention` reads and writes the paged KV cache: prefill (chunked), decode,
+multi-token verify and custom (tree) masks all go through one padded gather + SDPA per layer.
+`DenseCausalAttention` attends within equal-length sequences without a cache (training).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moespec.attention.base import AttentionMetadata, LayerKV
+
+
+class TorchPagedAttention:
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Host-side index building, once per batch; every layer reuses it."""
+        device = meta.positions.device
+        S = meta.page_size
+        q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
+        B = meta.num_requests
+        request_of_token = torch.repeat_interleave(torch.arange(B, device=device), q_lens)  # [T]
+        page_pos = meta.kv_indptr[request_of_token] + meta.positions // S
+        self.slots = meta.kv_indices[page_pos] * S + meta.positions % S  # [T] cache rows written
+
+        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+        kv_pos = torch.arange(max_kv, device=device)  # [L]
+        kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
+        page_index = (meta.kv_indptr[:-1, None] + kv_pos[None, :] // S).clamp(max=meta.kv_indices.numel() - 1)
+        self.kv_slots = torch.where(kv_valid, meta.kv_indices[page_index] * S + kv_pos % S, 0)  # [B, L]
+
+        q_offset = torch.arange(meta.positions.numel(), device=device) - meta.qo_indptr[request_of_token]
+        self.out_index = request_of_token * max_q + q_offset  # [T] row in the padded [B*Qmax] layout
+        q_pos = torch.full((B * max_q,), -1, dtype=torch.int64, device=device)
+        q_pos[self.out_index] = meta.positions
+        q_pos = q_pos.view(B, max_q)  # [B, Qmax], -1 for padding
+        mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [B, Qmax, L]
+        if meta.custom_mask is not None:
+            mask = self.apply_custom_mask(mask, meta, q_lens, kv_lens)
+        mask[:, :, 0] |= q_pos < 0  # padded query rows attend one slot instead of producing NaN
+        self.mask = mask[:, None]  # [B, 1, Qmax, L]
+        self.shape = (B, max_q)
+
+    @staticmethod
+    def apply_custom_mask(mask: torch.Tensor, meta: AttentionMetadata, q_lens: torch.Tensor,
+                          kv_lens: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(mask)
+        offset = 0
+        for b, (q_len, kv_len) in enumerate(zip(q_lens.tolist(), kv_lens.tolist())):
+            block = meta.custom_mask[offset: offset + q_len * kv_len].view(q_len, kv_len)
+            mask[b, :q_len, :kv_len] = block
+            offset += q_len * kv_len
+        return mask
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: LayerKV | None,
+            scale: float, v_dim: int) -> torch.Tensor:
+        assert cache is not None, "paged attention needs a KV cache"
+        T, H, Dk = q.shape
+        k_rows = cache.k.view(-1, *cache.k.shape[2:])  # [P*S, Hk, Dk]
+        k_rows[self.slots] = k.to(k_rows.dtype)
+        if cache.v is not None:
+            v_rows = cache.v.view(-1, *cache.v.shape[2:])  # [P*S, Hk, Dv]
+            v_rows[self.slots] = v.to(v_rows.dtype)
+        B, max_q = self.shape
+        keys = k_rows[self.kv_slots]  # [B, L, Hk, Dk]
+        values = v_rows[self.kv_slots] if cache.v is not None else keys[..., :v_dim]  # [B, L, Hk, Dv]
+        q_pad = q.new_zeros(B * max_q, H, Dk)
+        q_pad[self.out_index] = q
+        out = F.scaled_dot_product_attention(
+            q_pad.view(B, max_q, H, Dk).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype), attn_mask=self.mask, scale=scale, enable_gqa=True,
+        )  # [B, H, Qmax, Dv]
+        return out.transpose(1, 2).reshape(B * max_q, H, v_dim)[self.out_index]  # [T, H, Dv]
+
+
+class DenseCausalAttention:
+    """Causal attention over `batch` sequences of equal length laid out flat; no cache."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def plan(self, metadata: AttentionMetadata | None = None) -> None:
+        pass
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, cache: LayerKV | None,
+            scale: float, v_dim: int) -> torch.Tensor:
+        T, H, Dk = q.shape
+        B, L = self.batch, T // self.batch
+        if v is None:
+            v = k[..., :v_dim]
+        out = F.scaled_dot_product_attention(
+            q.view(B, L, H, Dk).transpose(1, 2), k.view(B, L, -1, Dk).transpose(1, 2),
+            v.reshape(B, L, -1, v_dim).transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True,
+        )  # [B, H, L, Dv]
+        return out.transpose(1, 2).reshape(T, H, v_dim)

@@ -1,0 +1,247 @@
+"""Engine configuration: YAML files in configs/ -> frozen dataclasses, with overrides.
+
+Every key is checked: an unknown key or a bad value is a `ConfigError` naming the key and
+what is allowed. Overrides come as dotted keys (`cache.page_size=32`) from the CLI, or as the
+flat keyword options `LLM(...)` accepts (`page_size=32`, `speculation={...}`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    attention_backend: Literal["torch", "flashinfer"] = "torch"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    tokenizer: str | None = None  # default: the model directory
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class DraftSection:
+    model: str | None = None  # draft checkpoint for speculation mode `draft`
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # default: the target's
+
+
+@dataclass(frozen=True)
+class SpeculationSection:
+    mode: Literal["none", "mtp", "draft"] = "none"
+    num_speculative_tokens: int = 1
+    draft_model: str | None = None  # shorthand for draft.model
+    mtp_head: str | None = None  # external MTP head for targets without a built-in MTP layer
+    acceptance: Literal["lossless", "relaxed"] = "lossless"
+    relaxed_top_n: int = 3
+    relaxed_delta: float = 0.5
+    adaptive: bool = True
+    # batch size -> speculative tokens; the largest key <= batch size applies; 0 turns speculation off
+    schedule: dict | None = None
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    ep_size: int = 1
+    moe_backend: Literal["torch", "deepep"] = "torch"
+    microbatch: bool = False
+    dist_backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class CacheSection:
+    page_size: int = 16
+    num_kv_pages: int = 2048
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    draft: DraftSection = field(default_factory=DraftSection)
+    speculation: SpeculationSection = field(default_factory=SpeculationSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    server: ServerSection = field(default_factory=ServerSection)
+
+    def __post_init__(self) -> None:
+        check_positive(self.cache.page_size, "cache.page_size")
+        check_positive(self.cache.num_kv_pages, "cache.num_kv_pages")
+        check_positive(self.scheduler.max_num_seqs, "scheduler.max_num_seqs")
+        check_positive(self.scheduler.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
+        check_positive(self.parallel.ep_size, "parallel.ep_size")
+        if self.speculation.mode != "none":
+            check_positive(self.speculation.num_speculative_tokens, "speculation.num_speculative_tokens")
+        if self.model.max_model_len is not None:
+            check_positive(self.model.max_model_len, "model.max_model_len")
+
+
+def check_positive(value: int, key: str) -> None:
+    if value < 1:
+        raise ConfigError(f"{key} must be >= 1, got {value!r}")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+# flat keyword options (vLLM style) -> dotted keys
+FLAT_KEYS = {
+    "model": "model.path", "dtype": "model.dtype", "device": "model.device", "seed": "model.seed",
+    "max_model_len": "model.max_model_len", "attention_backend": "model.attention_backend",
+    "tokenizer": "model.tokenizer", "served_model_name": "model.served_model_name",
+    "page_size": "cache.page_size", "num_kv_pages": "cache.num_kv_pages",
+    "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",
+}
+
+
+def section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(EngineConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def check_value(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against a field's type hint; return it (ints accepted for floats)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(repr, typing.get_args(hint)))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return check_value(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {hint}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is dict and isinstance(value, dict):
+        return value
+    if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{key}: expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def build_section(name: str, cls: type, values: dict) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{name}: expected a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    checked = {}
+    for key, value in values.items():
+        if key not in allowed:
+            raise ConfigError(f"unknown key {name}.{key}; allowed: {', '.join(allowed)}")
+        checked[key] = check_value(f"{name}.{key}", value, hints[key])
+    return cls(**checked)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'cache.page_size=32' -> ('cache.page_size', 32); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def merge_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
+    merged = {section: dict(values or {}) for section, values in raw.items()}
+    for key, value in overrides.items():
+        key = FLAT_KEYS.get(key, key)
+        if "." not in key:
+            if key not in SECTIONS:
+                raise ConfigError(f"unknown option {key!r}; allowed: {', '.join(list(SECTIONS) + list(FLAT_KEYS))}")
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping of keys, got {value!r}")
+            merged.setdefault(key, {}).update(value)
+            continue
+        section, name = key.split(".", 1)
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r} in {key!r}; allowed: {', '.join(SECTIONS)}")
+        merged.setdefault(section, {})[name] = value
+    return merged
+
+
+def build_config(raw: dict, overrides: dict[str, Any] | None = None, base_dir: Path | None = None) -> EngineConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping of sections ({', '.join(SECTIONS)})")
+    for section in raw:
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section {section!r}; allowed: {', '.join(SECTIONS)}")
+    merged = merge_overrides(raw, overrides or {})
+    types_ = section_types()
+    sections = {name: build_section(name, types_[name], values) for name, values in merged.items()}
+    config = EngineConfig(**sections)
+    return resolve_paths(normalize(config), base_dir)
+
+
+def normalize(config: EngineConfig) -> EngineConfig:
+    """speculation.draft_model is shorthand for draft.model."""
+    spec = config.speculation
+    if spec.draft_model and config.draft.model and spec.draft_model != config.draft.model:
+        raise ConfigError("speculation.draft_model and draft.model disagree; set one of them")
+    if spec.draft_model:
+        config = dataclasses.replace(config, draft=dataclasses.replace(config.draft, model=spec.draft_model))
+    if spec.mode == "draft" and not config.draft.model:
+        raise ConfigError("speculation.mode 'draft' needs speculation.draft_model (or draft.model)")
+    if not config.model.path:
+        raise ConfigError("model.path is required (the model directory)")
+    return config
+
+
+def resolve_path(path: str | None, base_dir: Path | None) -> str | None:
+    """Relative paths are taken from the working directory, else from the config file's project."""
+    if not path or Path(path).is_absolute() or Path(path).exists() or base_dir is None:
+        return path
+    for root in (base_dir, base_dir.parent):
+        if (root / path).exists():
+            return str(root / path)
+    return path
+
+
+def resolve_paths(config: EngineConfig, base_dir: Path | None) -> EngineConfig:
+    model = dataclasses.replace(config.model, path=resolve_path(config.model.path, base_dir),
+                                tokenizer=resolve_path(config.model.tokenizer, base_dir))
+    draft = dataclasses.replace(config.draft, model=resolve_path(config.draft.model, base_dir))
+    spec = dataclasses.replace(config.speculation, mtp_head=resolve_path(config.speculation.mtp_head, base_dir),
+                               draft_model=resolve_path(config.speculation.draft_model, base_dir))
+    return dataclasses.replace(config, model=model, draft=draft, speculation=spec)
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    return build_config(raw, overrides, base_dir=path.resolve().parent)

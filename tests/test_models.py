@@ -1,0 +1,84 @@
+"""Our DeepSeek-V3 and Llama forwards against transformers' implementations (float32)."""
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from moespec.attention import DenseCausalAttention, ForwardContext
+from moespec.models import load_model
+from reference import paged_forward, randomize_routing
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+        "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+DEEPSEEK_CASES = {
+    "no-q-lora/one-group/all-moe": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0),
+    "q-lora/4-groups/yarn": dict(q_lora_rank=12, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                 rope_parameters=YARN, max_position_embeddings=128),
+    "2-dense/2-groups/no-interleave": dict(q_lora_rank=24, n_group=2, topk_group=1, first_k_dense_replace=2,
+                                           rope_interleave=False, norm_topk_prob=False, n_shared_experts=2),
+}
+LLAMA_CASES = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa2/tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "gqa4/llama3-rope/bias": dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True,
+                                  rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                                   "rope_theta": 500000.0}),
+}
+
+
+def deepseek_config(**overrides) -> DeepseekV3Config:
+    base = dict(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+                n_shared_experts=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                routed_scaling_factor=2.5, max_position_embeddings=256)
+    base.update(overrides)
+    return DeepseekV3Config(**base)
+
+
+def llama_config(**overrides) -> LlamaConfig:
+    base = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=256)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def save_random(hf_model, path) -> None:
+    torch.manual_seed(0)
+    randomize_routing(hf_model)
+    hf_model.save_pretrained(path)
+
+
+def compare(hf_model, path, prompts):
+    ours = load_model(path, show_progress=False)
+    for chunk in (None, 7):
+        got = paged_forward(ours, prompts, page_size=4, chunk=chunk)
+        for prompt, logits in zip(prompts, got):
+            with torch.no_grad():
+                ref = hf_model(torch.tensor([prompt])).logits[0]
+            assert (logits - ref).abs().max().item() < 1e-4
+    # the dense (training) path agrees too
+    ids = torch.tensor([prompts[0][:16], prompts[1][:16]])
+    with torch.no_grad():
+        hidden = ours(ids.flatten(), torch.arange(16).repeat(2), ForwardContext(DenseCausalAttention(2), None))
+        ref = hf_model(ids).logits
+    assert (ours.compute_logits(hidden).view(2, 16, -1) - ref).abs().max().item() < 1e-4
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (23, 16, 41)]
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
+def test_deepseek_v3_matches_transformers(case, tmp_path):
+    torch.manual_seed(0)
+    hf = DeepseekV3ForCausalLM(deepseek_config(**DEEPSEEK_CASES[case])).eval()
+    save_random(hf, tmp_path)
+    compare(hf, tmp_path, prompts_for(97))
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CASES))
+def test_llama_matches_transformers(case, tmp_path):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(llama_config(**LLAMA_CASES[case])).eval()
+    save_random(hf, tmp_path)
+    compare(hf, tmp_path, prompts_for(101))
