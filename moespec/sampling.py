@@ -1,0 +1,392 @@
+"""Sampling: per-request parameters, batched logit processing, token draws, logprobs.
+
+Kept apart from the models: a model returns logits, the engine builds one `SamplingBatch`
+per step and calls the `Sampler`. Speculative verification reuses `compute_probs` (the
+same pure transform on draft and target logits) and `draw_uniform`.
+
+Shapes: N rows of logits (one per request in a decode step; one per position when
+verifying drafts), V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)  # equal params, equal bias
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; 0 = the chosen token's; k = also the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Frozen: normalization has to go through object.__setattr__.
+        object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        if self.logit_bias is not None:  # a private copy: later edits by the caller can't leak in
+            object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def _validate(self) -> None:
+        _require(self.n >= 1, "n", self.n, "must be >= 1")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                 "must be >= 1 or None")
+        _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        _require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k >= -1, "top_k", self.top_k, "must be -1 or 0 (off) or >= 1")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _require(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
+                 "must be in [-2, 2]")
+        _require(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
+                 "must be in [-2, 2]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+                 "must be > 0 (1 = off)")
+        for token, bias in (self.logit_bias or {}).items():
+            _require(token >= 0, "logit_bias", token, "token ids must be >= 0")
+            _require(-100 <= bias <= 100, "logit_bias", bias, f"value for token {token} must be in [-100, 100]")
+        for s in self.stop or ():
+            _require(isinstance(s, str) and s != "", "stop", s, "entries must be non-empty strings")
+        for t in self.stop_token_ids or ():
+            _require(isinstance(t, int) and t >= 0, "stop_token_ids", t, "entries must be ints >= 0")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                 f"must be None or in [0, {MAX_LOGPROBS}]")
+
+
+def _as_tuple(value: object) -> tuple | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)  # type: ignore[call-overload]
+
+
+def _as_bias(bias: dict) -> dict[int, float]:
+    try:  # OpenAI clients send token ids as JSON string keys
+        return {int(t): float(b) for t, b in bias.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"SamplingParams.logit_bias={bias!r}: must map token ids to numbers") from e
+
+
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r}: {rule}")
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A request's own CPU generator; draws on CPU keep seeded output identical on any device."""
+    if seed is None:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-step tensors for N rows of logits. A transform no row uses is None (skipped)."""
+
+    generators: list[torch.Generator | None]  # per row; None = draw from shared_generator
+    shared_generator: torch.Generator | None  # None = torch's default CPU generator
+    device: torch.device
+    greedy: torch.Tensor | None  # [N] bool, None when no row is greedy
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [N] float32, 1.0 on greedy rows
+    top_k: torch.Tensor | None  # [N] int64, V where off, 1 on greedy rows
+    max_top_k: int  # known on the host, so masking needs no device sync
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+    repetition_penalty: torch.Tensor | None  # [N] float32
+    seen: torch.Tensor | None  # [N,V] bool, prompt + output tokens
+    frequency_penalty: torch.Tensor | None  # [N] float32
+    presence_penalty: torch.Tensor | None  # [N] float32
+    output_counts: torch.Tensor | None  # [N,V] float32, output tokens only (as vLLM/OpenAI)
+    logit_bias: torch.Tensor | None  # [N,V] float32
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) held back by min_tokens
+    num_logprobs: tuple[int | None, ...]  # per row
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+        shared_generator: torch.Generator | None = None,
+    ) -> SamplingBatch:
+        N, V, device = len(params), vocab_size, torch.device(device)
+        if not len(prompt_ids) == len(output_ids) == len(generators) == N:
+            raise ValueError(
+                f"SamplingBatch.build needs one entry per row: got {N} params, {len(prompt_ids)} prompts, "
+                f"{len(output_ids)} outputs, {len(generators)} generators")
+        _check_token_ids(params, V)
+        greedy = [p.greedy for p in params]
+        sampled = [p for p in params if not p.greedy]
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        needs_counts = [f != 0 or q != 0 for f, q in zip(freq, pres)]
+        # Greedy rows become one-hots later; k = 1 keeps them from widening the top-k pass.
+        top_ks = [1 if g else min(p.top_k, V) if p.top_k > 0 else V for p, g in zip(params, greedy)]
+        return cls(
+            generators=list(generators),
+            shared_generator=shared_generator,
+            device=device,
+            greedy=_row_tensor(greedy, torch.bool, device) if any(greedy) else None,
+            all_greedy=all(greedy),
+            temperature=_optional_row_tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                any(p.temperature != 1 for p in sampled), device),
+            top_k=_optional_row_tensor(top_ks, any(0 < p.top_k < V for p in sampled), device, torch.int64),
+            max_top_k=max(top_ks, default=0),
+            top_p=_optional_row_tensor([p.top_p for p in params], any(p.top_p < 1 for p in sampled), device),
+            min_p=_optional_row_tensor([p.min_p for p in params], any(p.min_p > 0 for p in sampled), device),
+            repetition_penalty=_optional_row_tensor(rep, any(r != 1 for r in rep), device),
+            seen=_seen_tokens(prompt_ids, output_ids, [r != 1 for r in rep], V, device),
+            frequency_penalty=_optional_row_tensor(freq, any(needs_counts), device),
+            presence_penalty=_optional_row_tensor(pres, any(needs_counts), device),
+            output_counts=_count_output_tokens(output_ids, needs_counts, V, device),
+            logit_bias=_scatter_bias(params, V, device) if any(p.logit_bias for p in params) else None,
+            banned=_banned_tokens(params, output_ids, eos_token_ids, device),
+            num_logprobs=tuple(p.logprobs for p in params),
+        )
+
+
+def _check_token_ids(params: list[SamplingParams], vocab_size: int) -> None:
+    for p in params:
+        for name, ids in (("logit_bias", p.logit_bias or {}), ("stop_token_ids", p.stop_token_ids or ())):
+            for token in ids:
+                if token >= vocab_size:
+                    raise ValueError(f"SamplingParams.{name}: token id {token} is outside the vocabulary "
+                                     f"[0, {vocab_size})")
+
+
+def _row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _optional_row_tensor(values: list, needed: bool, device: torch.device,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    return _row_tensor(values, dtype, device) if needed else None
+
+
+def _count_tokens(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    counts = torch.zeros(len(token_lists), vocab_size, device=device)  # [N,V]
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
+    counts.index_put_((rows.to(device), ids.to(device)), torch.ones(len(ids), device=device), accumulate=True)
+    return counts
+
+
+def _seen_tokens(prompt_ids: list[list[int]], output_ids: list[list[int]], rows_needed: list[bool],
+                 vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    if not any(rows_needed):
+        return None
+    seen = [pr + out if need else [] for pr, out, need in zip(prompt_ids, output_ids, rows_needed)]
+    return _count_tokens(seen, vocab_size, device) > 0
+
+
+def _count_output_tokens(output_ids: list[list[int]], rows_needed: list[bool], vocab_size: int,
+                         device: torch.device) -> torch.Tensor | None:
+    if not any(rows_needed):
+        return None
+    return _count_tokens([out if need else [] for out, need in zip(output_ids, rows_needed)], vocab_size, device)
+
+
+def _scatter_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:
+    entries = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    rows, ids, values = zip(*entries)
+    bias = torch.zeros(len(params), vocab_size, device=device)  # [N,V]
+    bias[torch.tensor(rows, device=device), torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+    return bias
+
+
+def _banned_tokens(params: list[SamplingParams], output_ids: list[list[int]], eos_token_ids: Sequence[int],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # vLLM's rule: below min_tokens outputs, every token that would end the request is masked.
+    pairs = []
+    for row, (p, out) in enumerate(zip(params, output_ids)):
+        if len(out) < p.min_tokens:
+            enders = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+            pairs += [(row, t) for t in sorted(enders)]
+    if not pairs:
+        return None
+    rows, ids = torch.tensor(pairs, dtype=torch.int64, device=device).unbind(1)
+    return rows, ids
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias, repetition/frequency/presence penalties, min_tokens; [N,V] float32, out of place."""
+    logits = logits.float()  # [N,V]; float() copies only when the model's dtype differs
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    if batch.seen is not None:
+        penalty = batch.repetition_penalty.unsqueeze(1)  # [N,1]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(batch.seen, penalized, logits)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+        logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Raw logits [N,V] -> the distribution each row samples from, [N,V] float32.
+
+    Penalties, temperature, then top-k, top-p and min-p masks, renormalized; greedy rows
+    get the one-hot of their argmax. Deterministic, so draft and target logits can both
+    go through it for lossless verification.
+    """
+    logits = apply_penalties(logits, batch)
+    if batch.all_greedy:
+        return one_hot_argmax(logits)
+    one_hot = one_hot_argmax(logits) if batch.greedy is not None else None
+    if batch.temperature is not None:
+        logits = logits / batch.temperature.unsqueeze(1)
+    if batch.top_k is not None:
+        logits = mask_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.top_p is not None:
+        logits = mask_top_p(logits, batch.top_p)
+    if batch.min_p is not None:
+        logits = mask_min_p(logits, batch.min_p)
+    probs = logits.softmax(-1)
+    return probs if one_hot is None else torch.where(batch.greedy.unsqueeze(1), one_hot, probs)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[N,V] float32; ties go to the lowest id, as torch.argmax."""
+    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+
+
+def mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th are kept)."""
+    largest = logits.topk(max_k, dim=-1).values  # [N,max_k], descending
+    kth = largest.gather(1, (top_k - 1).unsqueeze(1))  # [N,1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest high-probability set whose mass reaches top_p, including the token crossing it."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N,V]
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    # top_p = 1 rows drop nothing, even where rounding pushes the cumulative mass to 1.
+    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)  # back to vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(-1)  # [N,V]
+    threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)  # [N,1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def draw_uniform(batch: SamplingBatch, count: int) -> torch.Tensor:
+    """[N,count] float64 uniforms in [0,1): seeded rows from their own generator, in row order."""
+    uniforms = torch.empty(len(batch.generators), count, dtype=torch.float64)
+    unseeded = [row for row, g in enumerate(batch.generators) if g is None]
+    if unseeded:
+        uniforms[unseeded] = torch.rand(len(unseeded), count, generator=batch.shared_generator,
+                                        dtype=torch.float64)
+    for row, generator in enumerate(batch.generators):
+        if generator is not None:
+            uniforms[row] = torch.rand(count, generator=generator, dtype=torch.float64)
+    return uniforms.to(batch.device)
+
+
+def sample(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Tokens [N] int64: argmax on greedy rows, one inverse-CDF draw per random row."""
+    greedy_tokens = probs.argmax(-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    random_tokens = invert_cdf(probs, draw_uniform(batch, 1).squeeze(1))
+    return random_tokens if batch.greedy is None else torch.where(batch.greedy, greedy_tokens, random_tokens)
+
+
+def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval holds each row's uniform; tokens with probability 0 are never hit."""
+    cdf = probs.double().cumsum(-1)  # [N,V]
+    # u < 1 keeps u * total strictly below the total (float64 rounding is monotone), so the
+    # first CDF entry above the target always has positive mass.
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]  # [N,1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                     num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw-model logprobs (before any sampling transform), float32.
+
+    Returns the chosen tokens' logprobs [N], and the top num_top ids [N,num_top] with their
+    logprobs [N,num_top], sorted by logprob, highest first.
+    """
+    logprobs = logits.float().log_softmax(-1)  # [N,V]
+    token_logprob = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return token_logprob, top_ids, top_logprobs
+
+
+class TokenLogprobs(NamedTuple):
+    logprob: float  # of the sampled token
+    top_ids: list[int]  # highest logprob first
+    top_logprobs: list[float]
+
+
+class SamplerOutput(NamedTuple):
+    tokens: torch.Tensor  # [N] int64
+    logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
+
+
+class Sampler:
+    """One step: logits -> probabilities -> tokens, plus logprobs for the rows that asked."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        tokens = sample(compute_probs(logits, batch), batch)
+        return SamplerOutput(tokens, self.gather_logprobs(logits, tokens, batch))
+
+    def gather_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                        batch: SamplingBatch) -> list[TokenLogprobs | None]:
+        rows = [row for row, k in enumerate(batch.num_logprobs) if k is not None]
+        result: list[TokenLogprobs | None] = [None] * len(batch.num_logprobs)
+        if not rows:
+            return result
+        num_top = max(batch.num_logprobs[row] for row in rows)
+        index = torch.tensor(rows, device=logits.device)
+        token_lp, top_ids, top_lps = compute_logprobs(logits[index], tokens[index], num_top)
+        for row, lp, ids, lps in zip(rows, token_lp.tolist(), top_ids.tolist(), top_lps.tolist()):
+            k = batch.num_logprobs[row]
+            result[row] = TokenLogprobs(lp, ids[:k], lps[:k])
+        return result
