@@ -1,0 +1,86 @@
+"""The packed batch of one step: what the model runner (and, with ranks, every rank) receives.
+
+Shapes legend: T tokens (flattened batch), B requests, N sampled rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+from moespec.attention.base import AttentionMetadata
+from moespec.scheduler import ScheduledChunk
+
+Mode = Literal["prefill", "decode", "mixed", "verify", "draft_extend"]
+MODES: tuple[str, ...] = ("prefill", "decode", "mixed", "verify", "draft_extend")
+
+
+@dataclass
+class Batch:
+    mode: Mode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    qo_indptr: torch.Tensor  # [B+1]
+    kv_indptr: torch.Tensor  # [B+1]
+    kv_indices: torch.Tensor  # [pages]
+    kv_last_page_len: torch.Tensor  # [B]
+    sample_indices: torch.Tensor  # [N] rows of T whose logits are sampled
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def attention_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
+                                 self.positions, self.page_size)
+
+    def to(self, device: str | torch.device) -> "Batch":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return Batch(**moved)
+
+    # One int64 buffer so ranks receive a step with a single broadcast.
+    TENSORS = ("input_ids", "positions", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "sample_indices")
+
+    def pack(self) -> torch.Tensor:
+        parts = [getattr(self, name) for name in self.TENSORS]
+        header = torch.tensor([MODES.index(self.mode), self.page_size] + [p.numel() for p in parts])
+        return torch.cat([torch.tensor([header.numel()]), header] + parts).to(torch.int64)
+
+    @classmethod
+    def unpack(cls, buffer: torch.Tensor) -> "Batch":
+        header_len = int(buffer[0])
+        header = buffer[1: 1 + header_len].tolist()
+        mode, page_size, sizes = MODES[header[0]], header[1], header[2:]
+        values, offset = {}, 1 + header_len
+        for name, size in zip(cls.TENSORS, sizes):
+            values[name] = buffer[offset: offset + size]
+            offset += size
+        return cls(mode=mode, page_size=page_size, **values)
+
+
+def build_batch(chunks: list[ScheduledChunk], page_size: int, mode: Mode | None = None) -> Batch:
+    """Flatten scheduled chunks: tokens of one request contiguous, pages covering its KV so far."""
+    ids, positions, qo, kv, indices, last, sample = [], [], [0], [0], [], [], []
+    for chunk in chunks:
+        seq = chunk.seq
+        ids += seq.token_at(chunk.start, chunk.end)
+        positions += range(chunk.start, chunk.end)
+        qo.append(qo[-1] + chunk.num_tokens)
+        used = -(-chunk.end // page_size)
+        indices += seq.pages[:used]
+        kv.append(kv[-1] + used)
+        last.append(chunk.end - (used - 1) * page_size)
+        if chunk.completes_prompt:
+            sample.append(qo[-1] - 1)
+    if mode is None:
+        decode = all(c.num_tokens == 1 and c.seq.output_ids for c in chunks)
+        prefill = not any(c.seq.output_ids and c.num_tokens == 1 for c in chunks)
+        mode = "decode" if decode else "prefill" if prefill else "mixed"
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return Batch(mode, as_tensor(ids), as_tensor(positions), as_tensor(qo), as_tensor(kv), as_tensor(indices),
+                 as_tensor(last), as_tensor(sample), page_size)

@@ -1,0 +1,36 @@
+"""Runs one model over a packed batch: plan attention on the host, forward, project the rows
+that get sampled. The model's KV cache lives here; a draft model gets its own runner that
+shares the page ids (and, for MTP, the plan) of the target's.
+
+Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moespec.attention import ForwardContext, create_backend
+from moespec.batch import Batch
+from moespec.kv_cache import KVCache
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_pages: int, page_size: int, attention_backend: str = "torch",
+                 device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
+        self.backend = create_backend(attention_backend)
+
+    def plan(self, batch: Batch) -> ForwardContext:
+        """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
+        self.backend.plan(batch.attention_metadata())
+        return ForwardContext(self.backend, self.cache.layers)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
+        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
+        return hidden, logits

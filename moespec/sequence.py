@@ -1,0 +1,94 @@
+"""Per-request state: tokens, KV pages, sampling state, text, finish reason, metrics."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moespec.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # top-n alternatives: token id -> logprob
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def accept_length(self) -> float | None:
+        """Mean tokens emitted per verify step (accepted drafts + the bonus token)."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    detokenizer: object | None = None
+    stop_checker: object | None = None
+    streamable_chars: int = 0  # text[:streamable_chars] can be streamed (no partial stop string)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache (the whole prompt, a prefill remainder, or 1 at decode)."""
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,94 @@
+"""Engine end to end (no speculation): greedy equals transformers, batch/preemption independence."""
+import pytest
+import torch
+
+from moespec import LLM, SamplingParams
+from tiny_models import save_tiny_deepseek, save_tiny_llama
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "llama"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_deepseek(path) if request.param == "deepseek_v3" else save_tiny_llama(path)
+    return str(path), hf
+
+
+def prompts(lengths, vocab=120, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def hf_greedy(hf, prompt, max_tokens):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(tiny):
+    path, hf = tiny
+    batch = prompts([5, 23, 9, 17])
+    llm = LLM(model=path, page_size=4, num_kv_pages=128, max_num_batched_tokens=16)
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
+        assert out.finish_reason == "length"
+
+
+def test_output_independent_of_batch_and_preemption(tiny):
+    path, _ = tiny
+    batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    alone = [LLM(model=path, page_size=4, num_kv_pages=64).generate([p], params, use_tqdm=False)[0].token_ids
+             for p in batch[:2]]
+    # 14 pages of 4 tokens cannot hold six requests of up to 41 tokens: preemption must happen
+    tight = LLM(model=path, page_size=4, num_kv_pages=14, max_num_batched_tokens=32)
+    outs = tight.generate(batch, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    roomy = LLM(model=path, page_size=4, num_kv_pages=256).generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert [o.token_ids for o in outs[:2]] == alone
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch(tiny):
+    path, _ = tiny
+    llm = LLM(model=path, page_size=4, num_kv_pages=128)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    target = prompts([9])[0]
+    alone = llm.generate([target], seeded, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(prompts([5, 12]) + [target], [other, other, seeded], use_tqdm=False)[2].token_ids
+    assert alone == mixed
+
+
+def test_n_completions_and_max_model_len(tiny):
+    path, _ = tiny
+    llm = LLM(model=path, page_size=4, num_kv_pages=64, max_model_len=20)
+    out = llm.generate(prompts([15]), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in out.outputs)  # 15 + 5 = max_model_len
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompts([25]), GREEDY, use_tqdm=False)
+
+
+def test_stop_token_ids_and_logprobs(tiny):
+    path, hf = tiny
+    prompt = prompts([10], seed=3)[0]
+    expected = hf_greedy(hf, prompt, 12)
+    stop_at = expected[5]
+    llm = LLM(model=path, page_size=4, num_kv_pages=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at], logprobs=3, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    first = expected.index(stop_at)
+    assert out.token_ids == expected[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + expected[:first + 1]])).logits[0].float(), -1)
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
+        assert list(lp.top) == row.topk(3).indices.tolist()
