@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Until the HTTP server lands, `make serve` runs offline generation on the default config.
 serve: $(STAMP)
-	$(BIN)/moespec serve --config $(CONFIG) --host $(HOST) --port $(PORT)
+	$(BIN)/moespec generate --config $(CONFIG) --prompt "def fibonacci(n):" --max-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -1,0 +1,5 @@
+import sys
+
+from moespec.cli import main
+
+sys.exit(main())

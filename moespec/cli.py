@@ -1,0 +1,107 @@
+"""`moespec` command line (also `python -m moespec`).
+
+  moespec generate --config C --prompt "..." [--max-tokens N] [--temperature T] [--json]
+  moespec serve    --config C [--host H] [--port P] [--api-key K]
+  moespec train-tokenizer | train-model | train-mtp-head | eval-head ...
+
+Any config key can be overridden with `--set section.key=value` (repeatable).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+# subcommands implemented elsewhere: name -> module exposing add_arguments(parser) and run(args)
+TRAINING_COMMANDS = {
+    "train-tokenizer": ("moespec.training.tokenizer", "train the byte-level BPE tokenizer"),
+    "train-model": ("moespec.training.train_model", "train a tiny target or draft model"),
+    "train-mtp-head": ("moespec.training.train_mtp_head", "train an MTP head for a frozen target"),
+    "eval-head": ("moespec.training.evaluate", "evaluate a target and its MTP head through the inference code"),
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set cache.page_size=32 (repeatable)")
+
+
+def load_engine_config(args: argparse.Namespace, extra: dict | None = None):
+    from moespec.config import load_config, parse_override
+
+    overrides = dict(parse_override(o) for o in args.overrides)
+    overrides.update(extra or {})
+    return load_config(args.config, overrides)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions offline")
+    add_config_arguments(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from moespec.llm import LLM
+    from moespec.sampling import SamplingParams
+
+    llm = LLM(config=load_engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    for out in llm.generate(args.prompt, params, use_tqdm=not args.json):
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "token_ids": out.token_ids, "text": out.text,
+                              "finish_reason": out.finish_reason}), flush=True)
+        else:
+            print(f"--- {out.prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})\n{out.text}", flush=True)
+    return 0
+
+
+def add_lazy(sub, name: str, module: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text)
+    mod = importlib.import_module(module)
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moespec", description="MoE + speculative decoding serving stack")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in TRAINING_COMMANDS.items():
+        if name == command:  # import training code only for the command that runs
+            add_lazy(sub, name, module, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from moespec.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"moespec: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moespec: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
