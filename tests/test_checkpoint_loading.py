@@ -47,6 +47,9 @@ def fp8_checkpoint(tmp_path_factory):
     hf = DeepseekV3ForCausalLM(config).eval()
     randomize_routing(hf)
     block = DeepseekV3DecoderLayer(config, layer_idx=L).eval()  # MoE block of the MTP layer
+    with torch.no_grad():  # a bare layer gets no post_init: its expert tensors are uninitialized
+        for name, param in block.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.02)
     mtp = {f"model.layers.{L}.{k}": v for k, v in block.state_dict().items()}
     for name, dim in (("enorm", 160), ("hnorm", 160), ("shared_head.norm", 160)):
         mtp[f"model.layers.{L}.{name}.weight"] = 1 + 0.1 * torch.randn(dim)

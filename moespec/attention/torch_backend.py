@@ -43,6 +43,7 @@ class TorchPagedAttention:
         mask[:, :, 0] |= q_pos < 0  # padded query rows attend one slot instead of producing NaN
         self.mask = mask[:, None]  # [B, 1, Qmax, L]
         self.shape = (B, max_q)
+        self.uniform = bool((q_lens == max_q).all())  # decode / equal-length verify: no padding needed
 
     @staticmethod
     def apply_custom_mask(mask: torch.Tensor, meta: AttentionMetadata, q_lens: torch.Tensor,
@@ -67,13 +68,17 @@ class TorchPagedAttention:
         B, max_q = self.shape
         keys = k_rows[self.kv_slots]  # [B, L, Hk, Dk]
         values = v_rows[self.kv_slots] if cache.v is not None else keys[..., :v_dim]  # [B, L, Hk, Dv]
-        q_pad = q.new_zeros(B * max_q, H, Dk)
-        q_pad[self.out_index] = q
+        if self.uniform:
+            q_pad = q
+        else:
+            q_pad = q.new_zeros(B * max_q, H, Dk)
+            q_pad[self.out_index] = q
         out = F.scaled_dot_product_attention(
             q_pad.view(B, max_q, H, Dk).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
             values.transpose(1, 2).to(q.dtype), attn_mask=self.mask, scale=scale, enable_gqa=True,
         )  # [B, H, Qmax, Dv]
-        return out.transpose(1, 2).reshape(B * max_q, H, v_dim)[self.out_index]  # [T, H, Dv]
+        out = out.transpose(1, 2).reshape(B * max_q, H, v_dim)
+        return out if self.uniform else out[self.out_index]  # [T, H, Dv]
 
 
 class DenseCausalAttention:
