@@ -53,6 +53,16 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.window)
         return new_text
 
+    def flush(self) -> str:
+        """Emits the pending tail even if it ends inside a character: the stream is over."""
+        if self.tokenizer is None or len(self.window) == self.read_offset:
+            return ""
+        new_text = self.decode(self.window)[len(self.decode(self.window[:self.read_offset])):]
+        self.text += new_text
+        del self.window[:self.read_offset]
+        self.read_offset = len(self.window)
+        return new_text
+
     def decode(self, ids: list[int]) -> str:
         # No clean-up of tokenization spaces: it rewrites text around later tokens.
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,

@@ -205,6 +205,9 @@ class Engine:
             seq.detokenizer.append([token])
             reason = self.check_stop(seq, token)
             if reason is not None:
+                if not isinstance(seq.stop_reason, str):  # not cut at a stop string: all text is final
+                    seq.detokenizer.flush()
+                    seq.text = seq.detokenizer.text
                 self.finish(seq, reason)
                 return
 

@@ -92,3 +92,35 @@ def test_stop_token_ids_and_logprobs(tiny):
         row = ref[len(prompt) - 1 + i]
         assert abs(lp.logprob - row[lp.token_id].item()) < 1e-4
         assert list(lp.top) == row.topk(3).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A random Llama over the project's tokenizer (vocab 4096), so text paths run for real."""
+    import shutil
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("llama-tok")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=1, bos_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"checkpoints/tokenizer/{f}", path / f)
+    return str(path)
+
+
+def test_stop_strings_truncate_text_exactly(tiny_with_tokenizer):
+    llm = LLM(model=tiny_with_tokenizer, page_size=8, num_kv_pages=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    free = llm.generate(["def main():"], params, use_tqdm=False)[0]
+    assert free.text and free.text == llm.get_tokenizer().decode(free.token_ids, skip_special_tokens=True)
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
+    cut = free.text.index(stop)
+    for include in (False, True):
+        out = llm.generate(["def main():"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                           stop=[stop], include_stop_str_in_output=include),
+                           use_tqdm=False)[0]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        assert out.text == free.text[: cut + (len(stop) if include else 0)]
+        assert out.token_ids == free.token_ids[: len(out.token_ids)]
