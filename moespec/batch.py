@@ -5,7 +5,7 @@ Shapes legend: T tokens (flattened batch), B requests, N sampled rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -31,6 +31,13 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] cache row (page * S + offset) of every token."""
+        request = torch.repeat_interleave(torch.arange(self.qo_indptr.numel() - 1, device=self.positions.device),
+                                          self.qo_indptr[1:] - self.qo_indptr[:-1])
+        page = self.kv_indices[self.kv_indptr[request] + self.positions // self.page_size]
+        return page * self.page_size + self.positions % self.page_size
 
     def attention_metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
@@ -65,22 +72,40 @@ class Batch:
 
 def build_batch(chunks: list[ScheduledChunk], page_size: int, mode: Mode | None = None) -> Batch:
     """Flatten scheduled chunks: tokens of one request contiguous, pages covering its KV so far."""
-    ids, positions, qo, kv, indices, last, sample = [], [], [0], [0], [], [], []
-    for chunk in chunks:
-        seq = chunk.seq
-        ids += seq.token_at(chunk.start, chunk.end)
-        positions += range(chunk.start, chunk.end)
-        qo.append(qo[-1] + chunk.num_tokens)
-        used = -(-chunk.end // page_size)
-        indices += seq.pages[:used]
-        kv.append(kv[-1] + used)
-        last.append(chunk.end - (used - 1) * page_size)
-        if chunk.completes_prompt:
-            sample.append(qo[-1] - 1)
     if mode is None:
         decode = all(c.num_tokens == 1 and c.seq.output_ids for c in chunks)
         prefill = not any(c.seq.output_ids and c.num_tokens == 1 for c in chunks)
         mode = "decode" if decode else "prefill" if prefill else "mixed"
+    spans = [Span(c.seq.pages, c.start, c.seq.token_at(c.start, c.end)) for c in chunks]
+    sampled = [c.completes_prompt for c in chunks]
+    return pack_spans(spans, page_size, mode, sampled)
+
+
+class Span(NamedTuple):
+    """Tokens of one request at consecutive positions start.., reading KV through the last one."""
+
+    pages: list[int]
+    start: int
+    token_ids: list[int]
+
+
+def pack_spans(spans: list[Span], page_size: int, mode: Mode, sampled: list[bool] | None = None) -> Batch:
+    """Flat token ids, positions and page metadata; `sampled` marks spans whose last row is sampled
+    (default: every row is sampled, as in verify batches)."""
+    ids, positions, qo, kv, indices, last, sample = [], [], [0], [0], [], [], []
+    for i, span in enumerate(spans):
+        end = span.start + len(span.token_ids)
+        ids += span.token_ids
+        positions += range(span.start, end)
+        qo.append(qo[-1] + len(span.token_ids))
+        used = -(-end // page_size)
+        indices += span.pages[:used]
+        kv.append(kv[-1] + used)
+        last.append(end - (used - 1) * page_size)
+        if sampled is None:
+            sample += range(qo[-2], qo[-1])
+        elif sampled[i]:
+            sample.append(qo[-1] - 1)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     return Batch(mode, as_tensor(ids), as_tensor(positions), as_tensor(qo), as_tensor(kv), as_tensor(indices),
                  as_tensor(last), as_tensor(sample), page_size)

@@ -15,15 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moespec.batch import Batch, build_batch
+from moespec.batch import Batch, Span, build_batch, pack_spans
 from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
 from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
-from moespec.sampling import Sampler, SamplerOutput, SamplingBatch, SamplingParams, make_generator
+from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
+                              make_generator)
 from moespec.scheduler import Scheduler, SchedulerOutput
 from moespec.sequence import Sequence, Status, TokenLogprob
+from moespec.speculation import DraftRows, create_speculator, verify_lossless, verify_relaxed
+from moespec.speculation.adaptive import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +50,46 @@ class StepStats:
 
 
 @dataclass
+class SpecStats:
+    """Engine-wide speculation figures (for /metrics and benchmarks)."""
+
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [K] verify steps whose draft i was accepted
+    drafted_at: list[int] = field(default_factory=list)  # [K] verify steps that drafted position i
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens per request per verify step: accepted drafts + the target's token."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def add(self, k: int, num_accepted: list[int]) -> None:
+        grow = k - len(self.accepted_at)
+        if grow > 0:
+            self.accepted_at += [0] * grow
+            self.drafted_at += [0] * grow
+        for a in num_accepted:
+            self.steps += 1
+            self.draft_tokens += k
+            self.accepted_tokens += a
+            for i in range(k):
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += int(i < a)
+
+
+@dataclass
 class PreparedStep:
     scheduled: SchedulerOutput
-    batch: Batch
-    sampling: SamplingBatch
+    batch: Batch | None  # None for a speculative step: its verify batch needs the drafts first
+    sampling: SamplingBatch | None
     sampled: list[Sequence]
     ctx: object = None
     host_s: float = 0.0
+    num_spec: int = 0  # draft tokens per request this step
 
 
 @dataclass
@@ -72,7 +108,11 @@ class Engine:
         self.max_model_len = self.resolve_max_model_len()
         self.runner = ModelRunner(self.model, c.cache.num_kv_pages, c.cache.page_size, c.model.attention_backend,
                                   c.model.device)
-        self.scheduler = Scheduler(c.scheduler, self.allocator)
+        self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len)
+        self.speculator = create_speculator(c, self.model, self.runner)
+        self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
+                                        c.speculation.adaptive)
+        self.spec_stats = SpecStats()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(c.model.seed)
         self.eos_ids = self.resolve_eos_ids()
@@ -146,17 +186,24 @@ class Engine:
         prepared = self.prepare()
         if prepared is None:
             return EngineOutputs()
+        if prepared.num_spec:
+            return self.run_speculative(prepared)
         start = time.perf_counter()
         result = self.execute(prepared)
         device_s = time.perf_counter() - start
         start = time.perf_counter()
         outputs = self.postprocess(prepared, result)
-        self.record(prepared, prepared.host_s + time.perf_counter() - start, device_s)
+        host_s = prepared.host_s + time.perf_counter() - start
+        self.record(prepared, host_s, device_s)
+        if prepared.scheduled.is_decode_only and self.speculator.max_tokens:
+            self.policy.record(len(prepared.sampled), 0, 1.0, host_s + device_s)
         return outputs
 
     def prepare(self) -> PreparedStep | None:
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(lookahead=self.speculator.lookahead)
+        for seq in scheduled.preempted:
+            self.speculator.release(seq)
         if not scheduled.chunks:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("no request fits in the KV cache; raise cache.num_kv_pages")
@@ -164,12 +211,24 @@ class Engine:
         for chunk in scheduled.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = time.monotonic()
-        batch = build_batch(scheduled.chunks, self.allocator.page_size)
         sampled = [c.seq for c in scheduled.chunks if c.completes_prompt]
+        num_spec = self.choose_num_spec(scheduled)
+        if num_spec:
+            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec)
+        batch = build_batch(scheduled.chunks, self.allocator.page_size)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
         ctx = self.runner.plan(batch)
         return PreparedStep(scheduled, batch, sampling, sampled, ctx, time.perf_counter() - start)
+
+    def choose_num_spec(self, scheduled: SchedulerOutput) -> int:
+        """Speculate only on decode-only batches, as many tokens as the policy says and the
+        longest request still has room for."""
+        if not self.speculator.max_tokens or not scheduled.is_decode_only:
+            return 0
+        k = self.policy.choose(len(scheduled.chunks))
+        room = min(self.max_model_len - c.seq.num_tokens for c in scheduled.chunks)
+        return max(0, min(k, room - 1))
 
     def build_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
@@ -178,8 +237,60 @@ class Engine:
                                    shared_generator=self.generator)
 
     def execute(self, prepared: PreparedStep) -> SamplerOutput:
-        _, logits = self.runner.forward(prepared.batch, prepared.ctx)
+        hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
+        self.speculator.observe(prepared.batch, hidden)
         return self.sampler(logits, prepared.sampling)
+
+    # ------------------------------------------------------------------ speculative step
+
+    def run_speculative(self, prepared: PreparedStep) -> EngineOutputs:
+        """propose k -> target verifies 1+k per request -> accept (tensors) -> host appends."""
+        start = time.perf_counter()
+        seqs, k = prepared.sampled, prepared.num_spec
+        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
+        proposal = self.speculator.propose(seqs, k, rows)
+        batch = self.build_verify_batch(seqs, proposal.tokens)
+        ctx = self.runner.plan(batch)
+        hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
+        self.speculator.observe(batch, hidden)
+        target_rows = rows.batch(list(proposal.tokens.unbind(1)), repeat=k + 1)
+        result = self.verify(logits, target_rows, proposal, draw_uniform(rows.batch([]), k + 1))
+        self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
+        # the host reads accepted lengths only now, after the draft re-run was launched
+        num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        logprobs = self.sampler.gather_logprobs(logits, result.tokens.flatten(), target_rows)
+        lengths = [s.num_tokens for s in seqs]
+        self.speculator.commit(seqs, lengths, num_accepted, k)
+        self.spec_stats.add(k, num_accepted)
+        for b, (seq, a, m) in enumerate(zip(seqs, num_accepted, lengths)):
+            seq.num_computed = m + a  # KV now holds the last token and the a accepted drafts
+            seq.metrics.num_draft_tokens += k
+            seq.metrics.num_accepted_tokens += a
+            seq.metrics.num_spec_steps += 1
+            self.append_tokens(seq, tokens[b][: a + 1], logprobs[b * (k + 1): b * (k + 1) + a + 1])
+        elapsed = time.perf_counter() - start + prepared.host_s
+        self.stats.steps += 1
+        self.stats.tokens += sum(num_accepted) + len(seqs)
+        self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
+        return EngineOutputs(list(seqs))
+
+    def build_verify_batch(self, seqs: list[Sequence], drafts: torch.Tensor) -> Batch:
+        """Per request: its last token and the k drafts at positions m-1 .. m-1+k."""
+        k = drafts.shape[1]
+        spans = [Span(s.pages, s.num_tokens - 1, [s.output_ids[-1]] + [0] * k) for s in seqs]
+        batch = pack_spans(spans, self.allocator.page_size, "verify").to(self.runner.device)
+        last = batch.input_ids.view(len(seqs), k + 1)[:, :1]
+        batch.input_ids = torch.cat([last, drafts.to(last.device)], dim=1).flatten()
+        return batch
+
+    def verify(self, logits: torch.Tensor, target_rows: SamplingBatch, proposal, uniforms: torch.Tensor):
+        B, k = proposal.tokens.shape
+        probs = compute_probs(logits, target_rows).view(B, k + 1, -1)
+        spec = self.config.speculation
+        if spec.acceptance == "relaxed":
+            return verify_relaxed(logits.view(B, k + 1, -1), probs, proposal.probs, proposal.tokens, uniforms,
+                                  spec.relaxed_top_n, spec.relaxed_delta)
+        return verify_lossless(probs, proposal.probs, proposal.tokens, uniforms)
 
     def postprocess(self, prepared: PreparedStep, result: SamplerOutput) -> EngineOutputs:
         for chunk in prepared.scheduled.chunks:
@@ -236,6 +347,7 @@ class Engine:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.monotonic()
         seq.streamable_chars = len(seq.text)  # a finished request's text is final
+        self.speculator.release(seq)
         self.scheduler.finish(seq)
         self.sequences.pop(seq.request_id, None)
 

@@ -49,8 +49,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerSection, allocator: PageAllocator) -> None:
+    def __init__(self, config: SchedulerSection, allocator: PageAllocator, max_model_len: int) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,13 +91,13 @@ class Scheduler:
             num = min(seq.num_pending, budget) if self.config.enable_chunked_prefill else seq.num_pending
             if num == 0 or num > budget:
                 continue
-            extra = lookahead if seq.num_pending == 1 else 0
-            if not self.reserve(seq, seq.num_computed + num + extra, preempted):
+            extra = lookahead if num == seq.num_pending else 0
+            if not self.reserve(seq, min(seq.num_computed + num + extra, self.max_model_len), preempted):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
         if not preempted:
-            chunks += self.admit_waiting(budget)
+            chunks += self.admit_waiting(budget, lookahead)
         return SchedulerOutput(chunks, preempted)
 
     def reserve(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
@@ -122,7 +123,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.info("preempted request %s (%d tokens) to free KV pages", seq.request_id, seq.num_tokens)
 
-    def admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+    def admit_waiting(self, budget: int, lookahead: int) -> list[ScheduledChunk]:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -131,7 +132,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num = budget
-            need = self.allocator.pages_for(seq.num_computed + num) - len(seq.pages)
+            extra = lookahead if num == seq.num_pending else 0  # a draft writes one token past the prompt
+            need = self.allocator.pages_for(min(seq.num_computed + num + extra, self.max_model_len)) - len(seq.pages)
             if not self.allocator.can_allocate(need):
                 break
             seq.pages += self.allocator.allocate(need)

@@ -6,6 +6,7 @@ from reference import randomize_routing
 
 
 def save_tiny_deepseek(path, mtp: bool = False) -> DeepseekV3ForCausalLM:
+    """A random tiny DeepSeek-V3; with `mtp`, plus a random MTP layer in the released naming."""
     torch.manual_seed(0)
     config = DeepseekV3Config(vocab_size=120, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
@@ -16,12 +17,49 @@ def save_tiny_deepseek(path, mtp: bool = False) -> DeepseekV3ForCausalLM:
     model = DeepseekV3ForCausalLM(config).eval()
     randomize_routing(model)
     model.save_pretrained(path)
+    if mtp:
+        add_random_mtp_layer(path, config, model)
     return model
 
 
-def save_tiny_llama(path) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+def add_random_mtp_layer(path, config, model) -> None:
+    """Append model.layers.{L}.* (enorm, hnorm, eh_proj, one MoE block, shared_head) to the checkpoint."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    L, M = config.num_hidden_layers, config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    block = DeepseekV3DecoderLayer(config, layer_idx=L)
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    for name, param in block.state_dict().items():
+        value = torch.ones(param.shape) if "norm" in name else torch.randn(param.shape, generator=gen) * 0.05
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(value.shape[0]):
+                gate, up = value[e].chunk(2)
+                tensors[f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"model.layers.{L}.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(value.shape[0]):
+                tensors[f"model.layers.{L}.mlp.experts.{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            tensors[f"model.layers.{L}.{name}"] = value
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{L}.{name}.weight"] = torch.ones(M)
+    tensors[f"model.layers.{L}.eh_proj.weight"] = torch.randn(M, 2 * M, generator=gen) * 0.05
+    tensors[f"model.layers.{L}.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    tensors[f"model.layers.{L}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, str(Path(path) / "model.safetensors"))
+    hf = json.loads((Path(path) / "config.json").read_text())
+    hf["num_nextn_predict_layers"] = 1
+    (Path(path) / "config.json").write_text(json.dumps(hf))
+
+
+def save_tiny_llama(path, seed: int = 0, layers: int = 3, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=120, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          eos_token_id=None, bos_token_id=None)
     model = LlamaForCausalLM(config).eval()

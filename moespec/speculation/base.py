@@ -1,0 +1,95 @@
+"""The interface every speculation mode implements, so the scheduler, KV allocator, engine and
+server never branch on the mode.
+
+Life of a decode step with speculation (see Engine.run_speculative):
+  propose(seqs, k)      catch the draft up on tokens it has not seen, then draft k tokens
+                        per request from the carried state -> Proposal (tokens + full q)
+  target verifies       1+k tokens per request in one forward; the engine calls
+  observe(batch, hidden) after every target forward (MTP keeps the target's hidden states)
+  accept(...)           right after verification, tensors only (MTP re-runs over the verify
+                        batch with the target's hidden states: no device-to-host sync)
+  commit(seqs, ...)     host bookkeeping once accepted lengths are read
+  release(seq)          a request finished or was preempted: its draft state is gone
+
+Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moespec.batch import Batch
+from moespec.sampling import SamplingBatch, compute_probs, sample
+from moespec.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, K] drafted tokens
+    probs: torch.Tensor  # [B, K, V] the full draft distributions they were sampled from
+
+
+class Speculator:
+    """No speculation: every hook is a no-op. Modes subclass this."""
+
+    mode = "none"
+    max_tokens = 0  # the most draft tokens a step may ask for
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a request needs beyond its next token (verify writes K, a draft may write one more)."""
+        return self.max_tokens + 1 if self.max_tokens else 0
+
+    def observe(self, batch: Batch, hidden: torch.Tensor) -> None:
+        pass
+
+    def propose(self, seqs: list[Sequence], k: int, rows: "DraftRows") -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, num_accepted: torch.Tensor,
+               tokens: torch.Tensor) -> None:
+        pass
+
+    def commit(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int], k: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class DraftRows:
+    """Sampling state for drafting: the same transforms as the target (penalties see the drafts
+    so far), and the request's own generator, so seeded requests stay reproducible."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int, device, eos_ids: tuple[int, ...],
+                 shared_generator: torch.Generator) -> None:
+        self.seqs, self.vocab_size, self.device = seqs, vocab_size, device
+        self.eos_ids, self.shared_generator = eos_ids, shared_generator
+        self.needs_values = any(s.params.repetition_penalty != 1 or s.params.frequency_penalty
+                                or s.params.presence_penalty for s in seqs)
+
+    def batch(self, drafts: list[torch.Tensor], repeat: int = 1) -> SamplingBatch:
+        """Rows for each sequence (repeated `repeat` times) with drafts[:j] appended for row j."""
+        values = torch.stack(drafts, 1).tolist() if drafts and self.needs_values else None
+        params, prompts, outputs, generators = [], [], [], []
+        for b, seq in enumerate(self.seqs):
+            for j in range(repeat):
+                n = len(drafts) if repeat == 1 else j
+                extra = values[b][:n] if values is not None else [0] * n  # lengths matter for min_tokens
+                params.append(seq.params)
+                prompts.append(seq.prompt_ids)
+                outputs.append(seq.output_ids + extra)
+                generators.append(seq.generator if j == 0 else None)
+        return SamplingBatch.build(params, prompts, outputs, generators, self.vocab_size, self.device,
+                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+
+    def draw(self, logits: torch.Tensor, drafts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample the next draft token from draft logits [B, V] -> (tokens [B], probs [B, V])."""
+        sampling = self.batch(drafts)
+        probs = compute_probs(logits.float(), sampling)
+        return sample(probs, sampling), probs
+
+
+def gather_rows(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(values) if len(values) > 1 else values[0][None]

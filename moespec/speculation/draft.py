@@ -1,0 +1,67 @@
+"""Draft-target speculation: a separate small model (e.g. a 1B Llama for a 70B one) with its
+own KV cache on the target's page ids. It runs on the leader rank only.
+
+The draft's cache runs one token ahead of the target's: it has seen the last sampled token,
+and its logits there (carried between steps) give the first draft token of the next step.
+Tokens it has not seen yet (the prompt after prefill, the token after verification, steps
+that did not speculate) are caught up in one ragged forward at the start of `propose`.
+
+Shapes legend: B requests, K draft tokens per request, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from moespec.batch import Span, pack_spans
+from moespec.model_runner import ModelRunner
+from moespec.sequence import Sequence
+from moespec.speculation.base import DraftRows, Proposal, Speculator
+
+
+class DraftModelSpeculator(Speculator):
+    mode = "draft"
+
+    def __init__(self, draft_model, num_tokens: int, num_pages: int, page_size: int, attention_backend: str,
+                 device) -> None:
+        self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device)
+        self.max_tokens = num_tokens
+        self.page_size = page_size
+        self.computed: dict[str, int] = {}  # request -> tokens in the draft's KV
+
+    def release(self, seq: Sequence) -> None:
+        self.computed.pop(seq.request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int, rows: DraftRows) -> Proposal:
+        logits = self.catch_up(seqs)  # [B, V] predicts each request's next token
+        drafts, probs = [], []
+        for j in range(k):
+            token, p = rows.draw(logits, drafts)
+            drafts.append(token)
+            probs.append(p)
+            if j + 1 < k:
+                logits = self.step(seqs, token, j)
+        return Proposal(torch.stack(drafts, 1), torch.stack(probs, 1))
+
+    def catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Draft forward over each request's unseen tokens; logits at each last one [B, V]."""
+        spans = []
+        for seq in seqs:
+            start = min(self.computed.get(seq.request_id, 0), seq.num_tokens - 1)
+            spans.append(Span(seq.pages, start, seq.token_at(start, seq.num_tokens)))
+            self.computed[seq.request_id] = seq.num_tokens
+        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans))
+        return self.runner.forward(batch, self.runner.plan(batch))[1]
+
+    def step(self, seqs: list[Sequence], token: torch.Tensor, j: int) -> torch.Tensor:
+        """Run the draft on draft token j+1 (position m + j) -> logits for the next [B, V]."""
+        spans = [Span(s.pages, s.num_tokens + j, [0]) for s in seqs]
+        batch = pack_spans(spans, self.page_size, "draft_extend")
+        batch.input_ids = token
+        return self.runner.forward(batch, self.runner.plan(batch))[1]
+
+    def commit(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int], k: int) -> None:
+        # the draft saw d_1 .. d_{k-1}: those that were accepted stay valid in its cache
+        for seq, m, a in zip(seqs, lengths_before, num_accepted):
+            if seq.request_id in self.computed:
+                self.computed[seq.request_id] = m + min(a, k - 1)

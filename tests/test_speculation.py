@@ -1,0 +1,193 @@
+"""Speculative decoding: greedy identity with every mode, lossless sampling, expected accept
+lengths, logprobs and penalties under speculation."""
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from moespec import LLM, SamplingParams
+from moespec.speculation.verify import verify_lossless
+from tiny_models import save_tiny_deepseek, save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds-mtp")
+    save_tiny_deepseek(path, mtp=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    save_tiny_llama(target)
+    save_tiny_llama(draft, seed=1, layers=1, hidden=32)
+    return str(target), str(draft)
+
+
+def prompts(lengths, vocab=120, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def generate(path, speculation, batch, params, **options):
+    opts = dict(page_size=4, num_kv_pages=256)
+    opts.update(options)
+    llm = LLM(model=path, speculation=speculation, **opts)
+    return llm.generate(batch, params, use_tqdm=False), llm
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+MIXED = [[3, 40, 7], [9] * 30, [5, 1, 77, 100, 2, 64, 8, 12, 90, 33, 11, 8], [60] * 5]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_identical_to_no_speculation(deepseek_mtp, k):
+    batch = prompts([5, 23, 9, 17]) + MIXED
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 7, 1, 19, 24, 2, 13, 24)]
+    ref, _ = generate(deepseek_mtp, None, batch, params)
+    got, llm = generate(deepseek_mtp, {"mode": "mtp", "num_speculative_tokens": k, "adaptive": False}, batch, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.engine.spec_stats.steps > 0 and sum(o.metrics.num_spec_steps for o in got) > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_draft_greedy_identical_to_no_speculation(llama_pair, k):
+    target, draft = llama_pair
+    batch = prompts([5, 23, 9, 17], seed=2) + MIXED
+    ref, _ = generate(target, None, batch, GREEDY)
+    got, llm = generate(target, {"mode": "draft", "draft_model": draft, "num_speculative_tokens": k,
+                                 "adaptive": False}, batch, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.engine.spec_stats.steps > 0
+
+
+def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair):
+    batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    ref, _ = generate(deepseek_mtp, None, batch, params, max_model_len=40)
+    spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    got, _ = generate(deepseek_mtp, spec, batch, params, num_kv_pages=18, max_num_batched_tokens=32, max_model_len=40)
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert any(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 40 for o in got)
+    # a stop token inside an accepted run truncates exactly there
+    target, draft = llama_pair
+    free, _ = generate(target, None, batch[:1], params)
+    stop_id = free[0].token_ids[6]
+    stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
+    ref, _ = generate(target, None, batch[:1], stop)
+    got, _ = generate(target, {"mode": "draft", "draft_model": target, "num_speculative_tokens": 4,
+                               "adaptive": False}, batch[:1], stop)
+    assert got[0].token_ids == ref[0].token_ids and got[0].token_ids[-1] == stop_id
+    assert got[0].finish_reason == "stop"
+
+
+def test_identical_draft_accepts_everything(llama_pair):
+    target, _ = llama_pair
+    k = 3
+    got, llm = generate(target, {"mode": "draft", "draft_model": target, "num_speculative_tokens": k,
+                                 "adaptive": False}, prompts([6]), SamplingParams(temperature=0.0, max_tokens=17,
+                                                                                 ignore_eos=True))
+    stats_ = llm.engine.spec_stats
+    assert stats_.accept_length == pytest.approx(k + 1)
+    assert got[0].metrics.num_accepted_tokens == got[0].metrics.num_draft_tokens
+    assert stats_.acceptance_by_position() == [1.0] * k
+
+
+def test_logprobs_and_penalties_agree_with_no_speculation(deepseek_mtp, llama_pair):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.3)
+    batch = prompts([8, 15], seed=4)
+    target, draft = llama_pair
+    for path, spec in ((deepseek_mtp, {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}),
+                       (target, {"mode": "draft", "draft_model": draft, "num_speculative_tokens": 3,
+                                 "adaptive": False})):
+        ref, _ = generate(path, None, batch, params)
+        got, llm = generate(path, spec, batch, params)
+        assert llm.engine.spec_stats.steps > 0
+        for r, g in zip(ref, got):
+            assert g.token_ids == r.token_ids
+            for a, b in zip(r.logprobs, g.logprobs):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert list(a.top) == list(b.top)
+
+
+def exact_joint(path, prompt, params, length):
+    """Distribution of the first `length` sampled tokens, from the target alone (no engine)."""
+    from moespec.models import load_model
+    from moespec.sampling import SamplingBatch, compute_probs
+    from reference import paged_forward
+    model = load_model(path, show_progress=False)
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, p in joint.items():
+            logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
+            batch = SamplingBatch.build([params], [prompt], [list(seq)], [None], logits.shape[-1], "cpu")
+            probs = compute_probs(logits, batch)[0]
+            for t in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (t,)] = p * probs[t].item()
+        joint = nxt
+    return joint
+
+
+@pytest.mark.parametrize("mode", ["mtp", "draft"])
+def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llama_pair, mode):
+    path = deepseek_mtp if mode == "mtp" else llama_pair[0]
+    spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": False}
+    if mode == "draft":
+        spec["draft_model"] = llama_pair[1]
+    prompt = prompts([6], seed=7)[0]
+    base = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    joint = exact_joint(path, prompt, base, 3)
+    n = 1500
+    llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=2048, max_num_seqs=512)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
+                                                      seed=1000 + i) for i in range(n)], use_tqdm=False)
+    assert llm.engine.spec_stats.steps > 0 and llm.engine.spec_stats.accepted_tokens < llm.engine.spec_stats.draft_tokens
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(joint)  # nothing outside the target's support
+    cells = sorted(joint)
+    observed = [counts.get(c, 0) for c in cells]
+    total = sum(joint.values())
+    expected = [joint[c] / total * n for c in cells]
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("alpha, k", [(0.6, 3), (0.8, 2), (0.3, 4)])
+def test_mean_accept_length_matches_theory(alpha, k):
+    """A draft whose distribution overlaps the target's by alpha is accepted per position with
+    probability alpha, so tokens per step average (1 - alpha^(k+1)) / (1 - alpha)."""
+    B, V = 40000, 4
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    # q puts alpha on p's support (spread like p) and 1 - alpha outside it: sum(min(p, q)) = alpha
+    q = torch.tensor([alpha / 2, alpha / 2, (1 - alpha) / 2, (1 - alpha) / 2])
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q.expand(B * k, V), 1, generator=gen).view(B, k)
+    result = verify_lossless(p.expand(B, k + 1, V), q.expand(B, k, V), drafts,
+                             torch.rand(B, k + 1, generator=gen, dtype=torch.float64))
+    measured = (result.num_accepted.double() + 1).mean().item()
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha)
+    assert measured == pytest.approx(expected, abs=0.02)
+    # and every emitted token is distributed as p: none lands outside p's support
+    emitted = result.tokens.gather(1, result.num_accepted[:, None]).flatten()
+    assert not ((emitted == 2) | (emitted == 3)).any()
+
+
+def test_verification_is_lossless_per_position():
+    """Marginal of the first emitted token equals p whatever q is (chi-square)."""
+    B, V = 30000, 5
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])
+    drafts = torch.multinomial(q.expand(B, V), 1, generator=gen)
+    result = verify_lossless(p.expand(B, 2, V), q.expand(B, 1, V), drafts,
+                             torch.rand(B, 2, generator=gen, dtype=torch.float64))
+    first = result.tokens[:, 0]
+    observed = torch.bincount(first, minlength=V).tolist()
+    assert stats.chisquare(observed, (p * B).tolist()).pvalue > 1e-3
+    assert math.isclose(result.num_accepted.double().mean().item(), torch.minimum(p, q).sum().item(), abs_tol=0.01)
