@@ -2,6 +2,7 @@
 
   moespec generate --config C --prompt "..." [--max-tokens N] [--temperature T] [--json]
   moespec serve    --config C [--host H] [--port P] [--api-key K]
+  moespec bench    --config C --modes none,mtp --batch-sizes 1,4,16 --out results.json
   moespec train-tokenizer | train-model | train-mtp-head | eval-head ...
 
 Any config key can be overridden with `--set section.key=value` (repeatable).
@@ -15,7 +16,8 @@ import logging
 import sys
 
 # subcommands implemented elsewhere: name -> module exposing add_arguments(parser) and run(args)
-TRAINING_COMMANDS = {
+LAZY_COMMANDS = {
+    "bench": ("moespec.bench", "measure speculation modes side by side (tokens/s, accept length, TTFT, TPOT)"),
     "train-tokenizer": ("moespec.training.tokenizer", "train the byte-level BPE tokenizer"),
     "train-model": ("moespec.training.train_model", "train a tiny target or draft model"),
     "train-mtp-head": ("moespec.training.train_mtp_head", "train an MTP head for a frozen target"),
@@ -79,8 +81,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     command = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in TRAINING_COMMANDS.items():
-        if name == command:  # import training code only for the command that runs
+    for name, (module, help_text) in LAZY_COMMANDS.items():
+        if name == command:  # import a command's code only when it runs
             add_lazy(sub, name, module, help_text)
         else:
             sub.add_parser(name, help=help_text)

@@ -1,0 +1,181 @@
+"""`moespec bench`: every speculation mode measured side by side in one run.
+
+  moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 \
+      --batch-sizes 1,4,16 --out results.json [--plot results.png] [--hf-assisted]
+
+A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the config). Prompts
+are held-out windows of the corpus. For each batch size the modes run interleaved, `repeats`
+times, and the fastest run of each is kept (this machine is noisy). Reported per mode and
+batch size: output tokens/s, speedup over `none`, mean TTFT and TPOT, accept length and
+per-position acceptance. With --hf-assisted, transformers' plain and assisted `generate`
+(same target and draft) run at batch 1 in the same process for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--modes", default="none,mtp", help="comma list: none, mtp[:k], draft[:k]")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--adaptive", choices=["on", "off"], default="off",
+                        help="adaptive speculation length (off: always draft k)")
+    parser.add_argument("--hf-assisted", action="store_true",
+                        help="also time transformers' generate and assisted generation at batch 1")
+    parser.add_argument("--out", default="bench-results.json")
+    parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
+
+
+def parse_mode(text: str) -> tuple[str, dict]:
+    name, _, k = text.partition(":")
+    if name not in ("none", "mtp", "draft"):
+        raise ValueError(f"--modes: {name!r} is not a mode; allowed: none, mtp[:k], draft[:k]")
+    spec = {"mode": name}
+    if k:
+        spec["num_speculative_tokens"] = int(k)
+    return text, spec
+
+
+def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    from moespec.training.corpus import CorpusSpec, load_corpus
+
+    ids: list[int] = []
+    for text in load_corpus(CorpusSpec()).heldout_texts():
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= count * length * 4:
+            break
+    stride = max(length, len(ids) // max(count, 1))
+    return [ids[i * stride: i * stride + length] for i in range(count)]
+
+
+def run_mode(llm, prompts: list[list[int]], params) -> dict:
+    engine = llm.engine
+    before = (engine.spec_stats.steps, engine.spec_stats.accepted_tokens, list(engine.spec_stats.accepted_at),
+              list(engine.spec_stats.drafted_at))
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    s = engine.spec_stats
+    steps, accepted = s.steps - before[0], s.accepted_tokens - before[1]
+    acc_at = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(s.accepted_at)]
+    drafted = [d - (before[3][i] if i < len(before[3]) else 0) for i, d in enumerate(s.drafted_at)]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {
+        "seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
+        "ttft_ms": 1e3 * mean([o.metrics.ttft for o in outs if o.metrics.ttft is not None]),
+        "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([o.metrics.tpot for o in outs
+                                                                  if o.metrics.tpot is not None])),
+        "accept_length": (accepted + steps) / steps if steps else None,
+        "acceptance_by_position": [a / d if d else None for a, d in zip(acc_at, drafted)],
+        "spec_steps": steps,
+    }
+
+
+def time_hf(config, prompts: list[list[int]], max_tokens: int) -> dict:
+    """transformers' plain and assisted generate, greedy, batch 1, same target/draft pair."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).eval()
+    draft = (AutoModelForCausalLM.from_pretrained(config.draft.model, dtype=torch.float32).eval()
+             if config.draft.model else None)
+    results = {}
+    for name, kwargs in (("hf_generate", {}), ("hf_assisted", {"assistant_model": draft})):
+        if name == "hf_assisted" and draft is None:
+            continue
+        tokens, start = 0, time.perf_counter()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
+            tokens += out.shape[1] - ids.shape[1]
+        results[name] = {"tok_s": tokens / (time.perf_counter() - start)}
+    return results
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, rows in report["results"].items():
+        sizes = [r["batch"] for r in rows]
+        ax1.plot(sizes, [r["tok_s"] for r in rows], marker="o", label=mode)
+        ax2.plot(sizes, [r["speedup"] for r in rows], marker="o", label=mode)
+    for ax, label in ((ax1, "output tokens/s"), (ax2, "speedup over none")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax2.axhline(1.0, color="gray", linestyle="--")
+    fig.suptitle(f"{report['config']} ({report['date']}, {report['machine']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moespec.cli import load_engine_config
+    from moespec.llm import LLM
+    from moespec.sampling import SamplingParams
+
+    base = load_engine_config(args)
+    modes = [parse_mode(m) for m in args.modes.split(",")]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engines = {}
+    for label, spec in modes:
+        fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
+        engines[label] = LLM(config=replace(base, speculation=replace(base.speculation, **fields)))
+    tokenizer = next(iter(engines.values())).get_tokenizer()
+    prompts = heldout_prompts(tokenizer, max(sizes), args.prompt_len)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    results = {label: [] for label, _ in modes}
+    for batch in sizes:
+        for llm in engines.values():  # warm-up
+            llm.generate(prompts[:batch], replace(params, max_tokens=4), use_tqdm=False)
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for label, llm in engines.items():
+                row = run_mode(llm, prompts[:batch], params)
+                if label not in best or row["tok_s"] > best[label]["tok_s"]:
+                    best[label] = row
+        baseline = best.get("none", {}).get("tok_s")
+        for label, row in best.items():
+            row.update(batch=batch, speedup=row["tok_s"] / baseline if baseline else None)
+            results[label].append(row)
+            logger.info("batch %d %-8s %8.1f tok/s  speedup %s  accept length %s", batch, label, row["tok_s"],
+                        f"{row['speedup']:.2f}" if row["speedup"] else "-",
+                        f"{row['accept_length']:.2f}" if row["accept_length"] else "-")
+    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+              "config": args.config, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "adaptive": args.adaptive, "results": results}
+    if args.hf_assisted:
+        hf = time_hf(base, prompts[:4], args.max_tokens)
+        ours_b1 = {label: rows[0]["tok_s"] for label, rows in results.items() if rows and rows[0]["batch"] == 1}
+        report["transformers_batch1"] = hf
+        report["transformers_batch1"]["ours_tok_s"] = ours_b1
+        logger.info("transformers at batch 1: %s", json.dumps(hf))
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    plot(report, args.plot or str(Path(args.out).with_suffix(".png")))
+    print(json.dumps(report, indent=2))
+    return 0
