@@ -124,3 +124,22 @@ def test_stop_strings_truncate_text_exactly(tiny_with_tokenizer):
         assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
         assert out.text == free.text[: cut + (len(stop) if include else 0)]
         assert out.token_ids == free.token_ids[: len(out.token_ids)]
+
+
+def test_abort_frees_pages_and_others_continue(tiny):
+    path, _ = tiny
+    llm = LLM(model=path, page_size=4, num_kv_pages=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    keep = engine.add_request(prompts([9])[0], params)
+    drop = engine.add_request(prompts([14], seed=5)[0], params)
+    for _ in range(5):
+        engine.step()
+    assert drop.pages and len(drop.output_ids) > 0
+    engine.abort(drop.request_id)
+    assert drop.finish_reason == "abort" and not drop.pages
+    while engine.has_unfinished():
+        engine.step()
+    assert keep.finish_reason == "length" and len(keep.output_ids) == 30
+    alone = LLM(model=path, page_size=4, num_kv_pages=64).generate([prompts([9])[0]], params, use_tqdm=False)
+    assert keep.output_ids == alone[0].token_ids

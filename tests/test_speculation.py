@@ -52,7 +52,7 @@ def test_mtp_greedy_identical_to_no_speculation(deepseek_mtp, k):
     assert llm.engine.spec_stats.steps > 0 and sum(o.metrics.num_spec_steps for o in got) > 0
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 3, 4])
 def test_draft_greedy_identical_to_no_speculation(llama_pair, k):
     target, draft = llama_pair
     batch = prompts([5, 23, 9, 17], seed=2) + MIXED
