@@ -254,7 +254,7 @@ class Engine:
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
         self.speculator.observe(batch, hidden)
         target_rows = rows.batch(list(proposal.tokens.unbind(1)), repeat=k + 1)
-        result = self.verify(logits, target_rows, proposal, draw_uniform(rows.batch([]), k + 1))
+        result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
         # the host reads accepted lengths only now, after the draft re-run was launched
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
@@ -273,6 +273,14 @@ class Engine:
         self.stats.tokens += sum(num_accepted) + len(seqs)
         self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
         return EngineOutputs(list(seqs))
+
+    @staticmethod
+    def draw_verify_uniforms(seqs: list[Sequence], rows: DraftRows, k: int) -> torch.Tensor:
+        """[B, k+1] uniforms for acceptance tests and the final token, from each request's own
+        generator; greedy verification needs none (one-hot p and q decide alone)."""
+        if all(s.params.greedy for s in seqs):
+            return torch.zeros(len(seqs), k + 1, dtype=torch.float64, device=rows.device)
+        return draw_uniform(rows.batch([]), k + 1)
 
     def build_verify_batch(self, seqs: list[Sequence], drafts: torch.Tensor) -> Batch:
         """Per request: its last token and the k drafts at positions m-1 .. m-1+k."""
