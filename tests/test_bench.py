@@ -1,0 +1,34 @@
+"""`moespec bench` runs every requested mode in one process and writes JSON and a plot."""
+import json
+import shutil
+import subprocess
+import sys
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def test_bench_writes_results_for_every_mode(tmp_path):
+    import torch
+    torch.manual_seed(0)
+    model = tmp_path / "m"
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, eos_token_id=1)
+    LlamaForCausalLM(config).save_pretrained(model)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"checkpoints/tokenizer/{f}", model / f)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {model}\ndraft:\n  model: {model}\ncache:\n  page_size: 8\n  num_kv_pages: 256\n")
+    out = tmp_path / "r.json"
+    result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
+                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "1",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"none", "draft:2"}
+    for rows in report["results"].values():
+        assert [r["batch"] for r in rows] == [1, 2]
+        assert all(r["tok_s"] > 0 and r["tokens"] == r["batch"] * 6 for r in rows)
+    draft = report["results"]["draft:2"]
+    assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
+    assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)
+    assert out.with_suffix(".png").stat().st_size > 1000
