@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the HTTP server lands, `make serve` runs offline generation on the default config.
+# The OpenAI-compatible HTTP server on the default config (see README "HTTP server").
 serve: $(STAMP)
-	$(BIN)/moespec generate --config $(CONFIG) --prompt "def fibonacci(n):" --max-tokens 64
+	$(BIN)/moespec serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -68,6 +68,23 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_config_arguments(p)
+    p.add_argument("--host", default=None, help="bind address (default: server.host from the config)")
+    p.add_argument("--port", type=int, default=None, help="port (default: server.port from the config)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: server.api_key)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from moespec.server.launch import serve
+
+    serve(load_engine_config(args), args.host, args.port, args.api_key, args.log_level)
+    return 0
+
+
 def add_lazy(sub, name: str, module: str, help_text: str) -> None:
     p = sub.add_parser(name, help=help_text)
     mod = importlib.import_module(module)
@@ -80,6 +97,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    add_serve(sub)
     command = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in LAZY_COMMANDS.items():
         if name == command:  # import a command's code only when it runs

@@ -1,0 +1,244 @@
+"""The FastAPI app: OpenAI routes, auth, streaming, health and metrics."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import moespec
+from moespec.engine import Engine
+from moespec.sampling import SamplingParams
+from moespec.server.engine_loop import EngineFailed, EngineLoop, Overloaded, Prompt, RequestHandle
+from moespec.server.errors import ApiError, bad_request, error_body, install_error_handlers
+from moespec.server.metrics import ServerMetrics
+from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
+from moespec.server.responses import (SSE_DONE, Choice, TokenNames, UsageTotals, chat_choice, chat_logprobs,
+                                      completion_choice, completion_logprobs, sse)
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    loop: EngineLoop
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None
+    names: TokenNames
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+
+    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> RequestHandle:
+        try:
+            return await self.loop.add(request_id, prompts, params)
+        except Overloaded as e:
+            raise ApiError(429, str(e), code="too_many_waiting_requests") from None
+        except ValueError as e:
+            raise bad_request(e) from None
+
+
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+               max_waiting_requests: int = 1024) -> FastAPI:
+    metrics = ServerMetrics()
+    state = ServerState(engine, EngineLoop(engine, max_waiting_requests, metrics), metrics,
+                        model_name or default_model_name(engine), api_key, TokenNames(engine.tokenizer))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="moespec", version=moespec.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible completions with speculative decoding")
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(public)
+    app.include_router(v1, dependencies=[Depends(check_api_key)])
+    return app
+
+
+def default_model_name(engine: Engine) -> str:
+    model = engine.config.model
+    return model.served_model_name or model.path.rstrip("/").rsplit("/", 1)[-1] or "moespec"
+
+
+def server_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def check_api_key(request: Request) -> None:
+    expected = server_of(request).api_key
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+public = APIRouter()
+v1 = APIRouter(prefix="/v1")
+
+
+@public.get("/health")
+async def health(request: Request) -> JSONResponse:
+    if not server_of(request).loop.is_alive():
+        return JSONResponse(error_body(503, "the engine loop is not running"), status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@public.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(server_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> dict:
+    server = server_of(request)
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                        "owned_by": "moespec", "max_model_len": server.engine.max_model_len}]}
+
+
+@v1.post("/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    server = server_of(request)
+    server.check_model(body.model)
+    if body.echo:
+        raise ApiError(400, "echo: not supported", "echo")
+    params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    handle = await server.submit(request_id, body.prompts(), params)
+    header = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": server.model_name}
+    if body.stream:
+        chunks = stream_completion(server, handle, header, body.logprobs is not None, body.include_usage, params.n)
+        return AbortOnCloseResponse(chunks, lambda: server.loop.abort(handle.request_ids))
+    choices, usage = await gather(server, handle, request, params.n)
+    want_logprobs = body.logprobs is not None
+    return JSONResponse({**header, "choices": [completion_choice(c, server.names, want_logprobs) for c in choices],
+                         "usage": usage.as_dict()})
+
+
+@v1.post("/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    server = server_of(request)
+    server.check_model(body.model)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    handle = await server.submit(request_id, [render_chat(server, body)], params)
+    header = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": server.model_name}
+    if body.stream:
+        header["object"] = "chat.completion.chunk"
+        chunks = stream_chat(server, handle, header, body.logprobs, body.include_usage, params.n)
+        return AbortOnCloseResponse(chunks, lambda: server.loop.abort(handle.request_ids))
+    choices, usage = await gather(server, handle, request, params.n)
+    return JSONResponse({**header, "choices": [chat_choice(c, server.names, body.logprobs) for c in choices],
+                         "usage": usage.as_dict()})
+
+
+def render_chat(server: ServerState, body: ChatCompletionRequest) -> str:
+    tokenizer = server.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "messages: this model has no chat template; use /v1/completions", "messages")
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja's TemplateError, raise_exception() in the template
+        raise ApiError(400, f"messages: {e}", "messages") from None
+
+
+# ---------------------------------------------------------------------- non-streaming
+
+
+async def gather(server: ServerState, handle: RequestHandle, request: Request, n: int
+                 ) -> tuple[list[Choice], UsageTotals]:
+    choices = [Choice(i) for i in range(len(handle.request_ids))]
+    usage = UsageTotals.for_request(handle, n)
+    watcher = asyncio.create_task(abort_on_disconnect(server, handle, request))
+    try:
+        async for delta in handle.deltas():
+            choices[delta.index].add(delta)
+            usage.add(delta)
+    except EngineFailed as e:
+        raise ApiError(500, str(e)) from None
+    finally:
+        watcher.cancel()
+    return choices, usage
+
+
+async def abort_on_disconnect(server: ServerState, handle: RequestHandle, request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    server.loop.abort(handle.request_ids)
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+class AbortOnCloseResponse(StreamingResponse):
+    """Aborts the request however the stream ends: finished, failed, or the client went away
+    (before the first chunk too, when the body generator never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()  # a no-op on the engine thread once every choice has finished
+
+
+async def stream_completion(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
+                            include_usage: bool, n: int) -> AsyncIterator[str]:
+    usage = UsageTotals.for_request(handle, n)
+    offsets = [0] * len(handle.request_ids)
+    try:
+        async for delta in handle.deltas():
+            usage.add(delta)
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(delta.logprobs, server.names, offsets[delta.index])
+                offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
+            choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            yield sse({**header, "choices": [choice]})
+    except EngineFailed as e:
+        yield sse(error_body(500, str(e)))
+    if include_usage:
+        yield sse({**header, "choices": [], "usage": usage.as_dict()})
+    yield SSE_DONE
+
+
+async def stream_chat(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
+                      include_usage: bool, n: int) -> AsyncIterator[str]:
+    usage = UsageTotals.for_request(handle, n)
+    for index in range(len(handle.request_ids)):
+        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield sse({**header, "choices": [role]})
+    try:
+        async for delta in handle.deltas():
+            usage.add(delta)
+            logprobs = chat_logprobs(delta.logprobs, server.names) if want_logprobs else None
+            choice = {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            yield sse({**header, "choices": [choice]})
+    except EngineFailed as e:
+        yield sse(error_body(500, str(e)))
+    if include_usage:
+        yield sse({**header, "choices": [], "usage": usage.as_dict()})
+    yield SSE_DONE

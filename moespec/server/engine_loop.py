@@ -1,0 +1,251 @@
+"""The engine thread: the only thread that touches the engine.
+
+HTTP handlers hand work over as closures on a thread-safe queue (add a request group, abort
+request ids). The thread runs them between steps, steps the engine while it has work, and
+sends each sequence's new output to its request's asyncio queue with
+`loop.call_soon_threadsafe`, so every request streams on its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from moespec.engine import Engine
+from moespec.llm import child_params
+from moespec.sampling import SamplingParams
+from moespec.sequence import Sequence, TokenLogprob
+from moespec.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+IDLE_WAIT_S = 0.1  # how often an idle engine thread looks at its stop flag
+
+
+class Overloaded(Exception):
+    pass
+
+
+class EngineFailed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class SeqUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    spec_steps: int
+
+
+@dataclass
+class Delta:
+    """New output of one choice since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: SeqUsage | None = None  # set on the last delta
+
+
+@dataclass
+class Stream:
+    """Engine-thread bookkeeping of how much of a sequence has been sent."""
+
+    index: int
+    send: Callable[[Delta | BaseException], None]
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class RequestHandle:
+    """HTTP-side view of one request: its sequences' ids and the queue their deltas arrive on."""
+
+    request_ids: list[str]
+    prompt_tokens: list[int] = field(default_factory=list)  # per choice, filled in by the engine thread
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        remaining = len(self.request_ids)
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finish_reason is not None
+            yield item
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, max_waiting_requests: int, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.streams: dict[str, Stream] = {}  # engine thread only
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="moespec-engine", daemon=True)
+
+    # ------------------------------------------------------------------ HTTP side
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.commands.put(lambda: None)
+        self.thread.join(timeout=10)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    async def add(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> RequestHandle:
+        """Adds n sequences per prompt (choice index = prompt * n + i); raises ValueError or Overloaded."""
+        loop = asyncio.get_running_loop()
+        ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(params.n)]
+        handle = RequestHandle(ids)
+        done: asyncio.Future = loop.create_future()
+
+        def add_on_engine_thread() -> None:
+            try:
+                self.add_group(handle, prompts, params, loop)
+            except Exception as e:  # handed back to the HTTP handler, which maps it to a status
+                loop.call_soon_threadsafe(resolve, done, e)
+            else:
+                loop.call_soon_threadsafe(resolve, done, None)
+
+        self.commands.put(add_on_engine_thread)
+        try:
+            error = await done
+        except asyncio.CancelledError:
+            self.abort(ids)
+            raise
+        if error is not None:
+            raise error
+        return handle
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.commands.put(lambda: self.abort_group(request_ids))
+
+    # ------------------------------------------------------------------ engine thread
+
+    def run(self) -> None:
+        logger.info("engine loop started")
+        while not self.stopping.is_set():
+            self.run_commands(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self.step()
+        self.abort_group(list(self.streams))
+        logger.info("engine loop stopped")
+
+    def run_commands(self, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            run_safely(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                break
+        self.metrics.observe_engine(self.engine)  # adds and aborts change the queues and pages
+
+    def add_group(self, handle: RequestHandle, prompts: list[Prompt], params: SamplingParams,
+                  loop: asyncio.AbstractEventLoop) -> None:
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting + len(handle.request_ids) > self.max_waiting_requests:
+            raise Overloaded(f"{waiting} requests are waiting (limit {self.max_waiting_requests}); retry later")
+        added: list[str] = []
+        try:
+            for index, request_id in enumerate(handle.request_ids):
+                prompt = prompts[index // params.n]
+                seq = self.engine.add_request(prompt, child_params(params, index % params.n), request_id)
+                added.append(request_id)
+                handle.prompt_tokens.append(len(seq.prompt_ids))
+                self.streams[request_id] = Stream(index, sender(loop, handle.queue))
+        except Exception:
+            self.abort_group(added)  # all of a request's choices are added, or none
+            raise
+
+    def abort_group(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            stream = self.streams.pop(request_id, None)
+            if stream is None:  # finished already
+                continue
+            self.engine.abort(request_id)
+            self.metrics.count_finished("abort")
+            stream.send(Delta(stream.index, "", [], [], finish_reason="abort"))  # ends the handler's wait
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting %d requests", len(self.streams))
+            self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        for seq in outputs.updated:
+            self.publish(seq)
+        self.metrics.observe_engine(self.engine)
+
+    def publish(self, seq: Sequence) -> None:
+        stream = self.streams.get(seq.request_id)
+        if stream is None:
+            return
+        delta = take_delta(stream, seq)
+        self.metrics.count_tokens(len(delta.token_ids))
+        if seq.is_finished:
+            del self.streams[seq.request_id]
+            self.metrics.observe_finished(seq)
+        if delta.text or delta.token_ids or seq.is_finished:
+            stream.send(delta)
+
+    def fail_all(self, error: Exception) -> None:
+        streams, self.streams = self.streams, {}
+        for request_id, stream in streams.items():
+            self.engine.abort(request_id)
+            stream.send(error)
+
+
+def run_safely(command: Callable[[], None]) -> None:
+    try:
+        command()
+    except Exception:  # one bad hand-over must not stop the loop every request depends on
+        logger.exception("engine loop command failed")
+
+
+def take_delta(stream: Stream, seq: Sequence) -> Delta:
+    end = max(stream.sent_chars, seq.streamable_chars)
+    delta = Delta(stream.index, seq.text[stream.sent_chars:end], seq.output_ids[stream.sent_tokens:],
+                  seq.logprobs[stream.sent_logprobs:])
+    stream.sent_chars, stream.sent_tokens, stream.sent_logprobs = end, len(seq.output_ids), len(seq.logprobs)
+    if seq.is_finished:
+        m = seq.metrics
+        delta = dataclasses.replace(delta, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                    usage=SeqUsage(len(seq.prompt_ids), len(seq.output_ids), m.num_draft_tokens,
+                                                   m.num_accepted_tokens, m.num_spec_steps))
+    return delta
+
+
+def sender(loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> Callable[[Delta | BaseException], None]:
+    def send(item: Delta | BaseException) -> None:
+        try:
+            loop.call_soon_threadsafe(target.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+    return send
+
+
+def resolve(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():
+        future.set_result(error)

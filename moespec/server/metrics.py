@@ -1,0 +1,65 @@
+"""Prometheus collectors on the server's own registry (several servers can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moespec.engine import Engine
+from moespec.sequence import Sequence
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("moespec_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("moespec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("moespec_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("moespec_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("moespec_time_per_output_token_seconds", "Mean time per token after the first",
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.running = Gauge("moespec_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("moespec_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("moespec_kv_cache_usage_ratio", "Fraction of KV pages in use", registry=r)
+        self.kv_free = Gauge("moespec_kv_pages_free", "Free KV pages", registry=r)
+        self.accept_length = Gauge("moespec_spec_accept_length",
+                                   "Mean tokens per request per verify step (accepted drafts + 1)", registry=r)
+        self.acceptance = Gauge("moespec_spec_acceptance_rate",
+                                "Acceptance rate of the draft token at a position (0 = first draft)", ["position"],
+                                registry=r)
+        self.draft_tokens = Gauge("moespec_spec_draft_tokens", "Draft tokens proposed since start", registry=r)
+        self.accepted_tokens = Gauge("moespec_spec_accepted_tokens", "Draft tokens accepted since start",
+                                     registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_finished(self, reason: str) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+
+    def count_tokens(self, num: int) -> None:
+        if num:
+            self.generated_tokens.inc(num)
+
+    def observe_finished(self, seq: Sequence) -> None:
+        self.count_finished(seq.finish_reason or "unknown")
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+        if seq.metrics.ttft is not None:
+            self.ttft.observe(seq.metrics.ttft)
+        if seq.metrics.tpot is not None:
+            self.tpot.observe(seq.metrics.tpot)
+
+    def observe_engine(self, engine: Engine) -> None:
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        self.kv_usage.set(engine.allocator.usage())
+        self.kv_free.set(engine.allocator.num_free)
+        spec = engine.spec_stats
+        if spec.steps:
+            self.accept_length.set(spec.accept_length)
+            self.draft_tokens.set(spec.draft_tokens)
+            self.accepted_tokens.set(spec.accepted_tokens)
+            for position, rate in enumerate(spec.acceptance_by_position()):
+                self.acceptance.labels(position=str(position)).set(rate)

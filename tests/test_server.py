@@ -1,0 +1,325 @@
+"""The HTTP server end to end: the official openai client and httpx against a real uvicorn
+server on 127.0.0.1, serving a random tiny DeepSeek-V3 with an MTP layer (mode mtp, k=2)."""
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from moespec.config import build_config
+from moespec.engine import Engine
+from moespec.server import create_app
+from reference import randomize_routing
+from tiny_models import add_random_mtp_layer
+
+API_KEY = "test-key"
+MODEL = "tiny-mtp"
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "tokenizer"
+GREEDY = dict(temperature=0.0, max_tokens=10, extra_body={"ignore_eos": True})
+
+
+def save_tiny_deepseek_mtp(path: Path, vocab_size: int) -> None:
+    """tiny_models.save_tiny_deepseek(mtp=True) with the project tokenizer's vocabulary."""
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                              num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                              kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=16, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+                              num_nextn_predict_layers=0)
+    model = DeepseekV3ForCausalLM(config).eval()
+    randomize_routing(model)
+    model.save_pretrained(path)
+    add_random_mtp_layer(path, config, model)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, engine: Engine, app) -> None:
+        self.engine = engine
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "RunningServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished() or self.engine.allocator.num_free != self.engine.allocator.num_pages:
+            assert time.monotonic() < deadline, "engine still busy"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mtp")
+    save_tiny_deepseek_mtp(path, vocab_size=4096)
+    config = build_config({}, {"model": str(path), "served_model_name": MODEL, "page_size": 4, "num_kv_pages": 512,
+                               "max_num_seqs": 32, "speculation": {"mode": "mtp", "num_speculative_tokens": 2,
+                                                                    "adaptive": False}})
+    engine = Engine(config)
+    with RunningServer(engine, create_app(engine, MODEL, API_KEY, max_waiting_requests=64)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, path: str, body, key: str = API_KEY) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+def stream_text(client, **kwargs) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in client.completions.create(model=MODEL, stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def test_completion_chat_and_models(client):
+    out = client.completions.create(model=MODEL, prompt="def fibonacci(n):", **GREEDY)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.completion_tokens == 10 and out.usage.prompt_tokens > 0
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_prompt_forms_and_n(client):
+    texts = client.completions.create(model=MODEL, prompt=["import os", "class A:"], n=2, **GREEDY)
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+    assert texts.choices[0].text == texts.choices[1].text  # greedy: the n copies agree
+    ids = client.completions.create(model=MODEL, prompt=[5, 17, 301], **GREEDY)
+    batch = client.completions.create(model=MODEL, prompt=[[5, 17, 301], [9, 9]], **GREEDY)
+    assert batch.choices[0].text == ids.choices[0].text and len(batch.choices) == 2
+    assert ids.usage.prompt_tokens == 3 and batch.usage.completion_tokens == 20
+
+
+def test_streaming_matches_non_streaming(client):
+    full = client.completions.create(model=MODEL, prompt="for i in range(", **GREEDY)
+    assert stream_text(client, prompt="for i in range(", **GREEDY) == (full.choices[0].text, "length")
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_strings(client):
+    params = dict(GREEDY, max_tokens=16)
+    text = client.completions.create(model=MODEL, prompt="while True:", **params).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string in {text!r}"
+    expected = text[: text.index(stop)]
+    out = client.completions.create(model=MODEL, prompt="while True:", stop=[stop, "never-there"], **params)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+    assert stream_text(client, prompt="while True:", stop=stop, **params) == (expected, "stop")
+
+
+def test_seeded_sampling_is_reproducible(client):
+    params = dict(prompt="import sys", temperature=1.0, top_p=0.9, max_tokens=12, extra_body={"ignore_eos": True})
+    a = client.completions.create(model=MODEL, seed=7, n=2, **params)
+    b = client.completions.create(model=MODEL, seed=7, n=2, **params)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    second = client.completions.create(model=MODEL, seed=8, **params)  # choice i is seeded with seed + i
+    assert second.choices[0].text == a.choices[1].text
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="x = ", logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                         top_logprobs=2, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 10
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and bytes(entry.bytes).decode() == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+
+
+def test_usage_reports_speculation(client):
+    out = client.completions.create(model=MODEL, prompt="def main():", **GREEDY)
+    spec = out.usage.model_extra["speculation"]
+    assert spec["draft_tokens"] > 0 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert 1.0 <= spec["accept_length"] <= 3.0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "a", "temperature": "0.5"}, 400, "temperature"),
+    ({"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "a", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "a", "stop": ""}, 400, "stop"),
+    ({"prompt": "a", "stop_token_ids": [5000]}, 400, "stop_token_ids"),
+    ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+    ({"prompt": "a", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "a", "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"prompt": [1] * 200}, 400, "prompt"),
+    ({"prompt": [99999]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"temperature": 0}, 400, "prompt"),
+    ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "a", "n": 100}, 429, None),
+])
+def test_bad_completion_requests(server, body, status, param):
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+])
+def test_bad_chat_requests(server, body, param):
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_malformed_json_auth_and_client_errors(server, client):
+    response = post(server, "/v1/completions", '{"prompt": "a",')
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "a"}, key="wrong").status_code == 401
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="a", extra_body={"top_k": -5})
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def stream_one(url: str, index: int, disconnect: bool, results: list) -> None:
+    body = {"model": MODEL, "prompt": f"def f{index}(x):", "max_tokens": 24, "stream": True, "ignore_eos": True,
+            "temperature": 0.8, "seed": index}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                results[index] = "done"
+                return
+            chunks += 1
+            if disconnect and chunks == 2:
+                results[index] = "left"
+                return  # closing the connection mid-stream
+
+
+def test_concurrent_streams_with_disconnects_free_every_page(server):
+    results: list = [None] * 32
+    threads = [threading.Thread(target=stream_one, args=(server.url, i, i % 4 == 0, results)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert results.count("done") == 24 and results.count("left") == 8
+    server.wait_idle()
+    assert server.engine.allocator.num_free == server.engine.allocator.num_pages
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'moespec_requests_total{finish_reason="abort"}' in metrics
+
+
+def aborted_count(server) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith('moespec_requests_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    before = aborted_count(server)
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 100, "n": 32, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(60, read=0.5))
+    server.wait_idle()
+    assert aborted_count(server) > before
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="import re", **GREEDY)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("moespec_requests_total", "moespec_time_to_first_token_seconds_bucket",
+                 "moespec_time_per_output_token_seconds_count", "moespec_requests_running", "moespec_requests_waiting",
+                 "moespec_kv_cache_usage_ratio", "moespec_spec_accept_length",
+                 'moespec_spec_acceptance_rate{position="1"}', "moespec_generated_tokens_total"):
+        assert name in text, name
+
+
+def test_openapi_schema(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert spec["openapi"].startswith("3.")
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+        assert path in spec["paths"], path
+    schemas = spec["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest"} <= set(schemas)
+    refs = list(find_refs(spec))
+    assert refs
+    for ref in refs:
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+
+
+def find_refs(node):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value
+            else:
+                yield from find_refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from find_refs(value)
