@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive speculation length (off: always draft k)")
     parser.add_argument("--hf-assisted", action="store_true",
                         help="also time transformers' generate and assisted generation at batch 1")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="bench-results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
 
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from moespec.llm import LLM
     from moespec.sampling import SamplingParams
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     base = load_engine_config(args)
     modes = [parse_mode(m) for m in args.modes.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -123,9 +123,8 @@ class MTPSpeculator(Speculator):
         new_token = tokens.gather(1, num_accepted[:, None])  # [B, 1]
         mtp_ids = torch.where(at_new, new_token, shifted).flatten()
         mtp_ctx = ForwardContext(ctx.backend, self.caches)  # the target's plan, the MTP layer's cache
-        logits, out = self.run(batch, mtp_ids, hidden, ctx=mtp_ctx)
         pick = torch.arange(B, device=tokens.device) * K1 + num_accepted  # [B] row of the new token
-        carried_logits, carried_hidden = logits[pick], out[pick]
+        carried_logits, carried_hidden = self.run(batch, mtp_ids, hidden, rows=pick, ctx=mtp_ctx)
         for b, seq in enumerate(seqs):
             state = self.state(seq)
             state.logits, state.hidden = carried_logits[b], carried_hidden[b]
