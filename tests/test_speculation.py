@@ -191,3 +191,47 @@ def test_verification_is_lossless_per_position():
     observed = torch.bincount(first, minlength=V).tolist()
     assert stats.chisquare(observed, (p * B).tolist()).pvalue > 1e-3
     assert math.isclose(result.num_accepted.double().mean().item(), torch.minimum(p, q).sum().item(), abs_tol=0.01)
+
+
+@pytest.mark.parametrize("arch", ["rmsnorm", "eagle"])
+def test_external_mtp_head_greedy_identical(llama_pair, tmp_path, arch):
+    """A target without an MTP layer speculates with a head trained for it (shared embeddings/lm_head)."""
+    import json
+    from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
+    target, _ = llama_pair
+    torch.manual_seed(3)
+    head = MTPHead(MTPHeadConfig.for_target(json.loads(open(f"{target}/config.json").read()), arch))
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
+    save_mtp_head(head, tmp_path / "head", dtype=torch.float32)
+    batch = prompts([5, 23, 9], seed=8) + MIXED[:2]
+    ref, _ = generate(target, None, batch, GREEDY)
+    got, llm = generate(target, {"mode": "mtp", "mtp_head": str(tmp_path / "head"), "num_speculative_tokens": 2,
+                                 "adaptive": False}, batch, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.engine.spec_stats.steps > 0
+
+
+def test_mtp_mode_without_mtp_layer_is_a_clear_error(llama_pair):
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        LLM(model=llama_pair[0], speculation={"mode": "mtp"})
+
+
+def test_policy_falls_back_to_plain_decoding_when_speculation_does_not_pay():
+    from moespec.speculation.adaptive import SpeculationPolicy
+    policy = SpeculationPolicy(3, schedule={1: 3, 8: 2, 64: 0}, adaptive=True, explore_every=10)
+    assert (policy.table_k(1), policy.table_k(9), policy.table_k(100)) == (3, 2, 0)
+    assert policy.choose(100) == 0  # the table turns speculation off
+    # batch 4: speculation gains 2.5 tokens per step at 1.5x the step time -> keep speculating
+    for _ in range(3):
+        policy.record(4, 3, 2.5, 0.015)
+        policy.record(4, 0, 1.0, 0.010)
+    choices = [policy.choose(4) for _ in range(20)]
+    assert choices.count(3) >= 17
+    # batch 16: 1.2 tokens per step at 2x the step time -> plain decoding, re-measured now and then
+    for _ in range(3):
+        policy.record(16, 2, 1.2, 0.020)
+        policy.record(16, 0, 1.0, 0.010)
+    choices = [policy.choose(16) for _ in range(30)]
+    assert choices.count(0) >= 26 and 2 in choices

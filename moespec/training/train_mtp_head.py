@@ -1,0 +1,228 @@
+"""Train an MTP head for a frozen target.
+
+Command: `moespec train-mtp-head --target DIR --out DIR [--arch eagle|rmsnorm] [--minutes N]`.
+
+The target's final hidden states are precomputed once with the inference forward (`ModelRunner`
+over the paged cache) and cached. The head sees, at position i, the embedding of token i+1 and
+the target's hidden at i; its loss is KL(target's next-token distribution ‖ head's) plus
+`--regression-weight` · smooth-L1 to the target's hidden at i+1. The target's embeddings and
+lm_head are shared and stay frozen; only the head's parameters are optimized.
+
+Shapes legend: N windows, B batch, W window length, T = B*(W-1) head positions, M hidden, V vocab.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from moespec.model_runner import ModelRunner
+from moespec.models import load_model
+from moespec.models.mtp_head import HEAD_ARCHITECTURES, MTPHead, MTPHeadConfig, load_mtp_head, save_mtp_head
+from moespec.models.weights import read_hf_config
+from moespec.training.corpus import CorpusSpec, cut_windows
+from moespec.training.data import DEFAULT_TOKENIZER, cache_dir, load_streams
+from moespec.training.evaluate import PAGE_SIZE, describe, evaluate, load_heldout, num_pages_for, target_forward
+from moespec.training.plots import plot_losses
+from moespec.training.train_model import (autocast_for, build_optimizer, dense_context, init_weights, lr_factor,
+                                          seed_everything)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadTrainSettings:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 8
+    regression_weight: float = 1.0
+    max_steps: int = 100_000
+    minutes: float | None = None
+    precision: str = "bf16"
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- target hidden states
+
+
+@torch.inference_mode()
+def precompute_hidden(target: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """The target's final hidden states [N, W, M] (bfloat16) from its paged inference forward."""
+    runner = ModelRunner(target, num_pages_for(batch_size, windows.shape[1]), PAGE_SIZE)
+    parts = [target_forward(runner, windows[s:s + batch_size])[0].to(torch.bfloat16)
+             for s in tqdm(range(0, len(windows), batch_size), desc="target hidden states", unit="batch")]
+    return torch.cat(parts)
+
+
+def cached_hidden(target_dir: Path, target: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """precompute_hidden, cached by the target's weights and the windows."""
+    digest = hashlib.sha1()
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        digest.update(file.read_bytes())
+    digest.update(windows.numpy().tobytes())
+    path = cache_dir().parent / "hidden" / f"{digest.hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    hidden = precompute_hidden(target, windows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(hidden, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)  # atomic: a concurrent run never reads half a file
+    return hidden
+
+
+def train_windows(count: int, window: int, seed: int, tokenizer: Path, max_bytes: int | None) -> torch.Tensor:
+    train, _ = load_streams(CorpusSpec(max_bytes=max_bytes), tokenizer)
+    rows = cut_windows(train, window, seed=seed)[:count]  # [N, W]
+    return torch.from_numpy(rows.astype("int64"))
+
+
+# ---------------------------------------------------------------- training
+
+
+def head_losses(target: nn.Module, head: MTPHead, rows: torch.Tensor, hidden: torch.Tensor,
+                regression_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """rows [B, W], target hidden [B, W, M] -> KL + w·smooth-L1 of the head at positions 0..W-2."""
+    B, W, M = hidden.shape
+    hidden = hidden.float()
+    embeds = target.embed(rows[:, 1:].reshape(-1))  # [T, M] frozen embeddings of tokens i+1
+    out = head(embeds, hidden[:, :-1].reshape(-1, M), torch.arange(W - 1).repeat(B), dense_context(B))  # [T, M]
+    next_hidden = hidden[:, 1:].reshape(-1, M)  # [T, M] target's hidden at i+1
+    logits = target.compute_logits(out).float()  # [T, V] through the frozen lm_head
+    with torch.no_grad():
+        target_logp = F.log_softmax(target.compute_logits(next_hidden).float(), dim=-1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean")
+    regression = F.smooth_l1_loss(out.float(), next_hidden)
+    agreement = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean()
+    parts = {"kl": kl.item(), "regression": regression.item(), "agreement": agreement.item()}
+    return kl + regression_weight * regression, parts
+
+
+def train_head(target: nn.Module, head: MTPHead, windows: torch.Tensor, hidden: torch.Tensor,
+               settings: HeadTrainSettings) -> list[dict]:
+    """Optimize only the head's parameters; returns the per-step history."""
+    target.requires_grad_(False)
+    head.train()
+    optimizer = build_optimizer(head, settings.lr, settings.weight_decay)
+    autocast = autocast_for(settings.precision)
+    generator = torch.Generator().manual_seed(settings.seed)
+    budget = settings.minutes * 60 if settings.minutes else float("inf")
+    history: list[dict] = []
+    elapsed, step, tokens = 0.0, 0, 0
+    bar = tqdm(total=None if settings.minutes else settings.max_steps, desc="train head", unit="step",
+               dynamic_ncols=True)
+    order = torch.randperm(len(windows), generator=generator)
+    while step < settings.max_steps and elapsed < budget:
+        start = time.perf_counter()
+        picks, order = next_batch(order, settings.batch_size, len(windows), generator)
+        factor = lr_factor(step, max(step / settings.max_steps, elapsed / budget), settings.warmup_steps,
+                           settings.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * factor
+        with autocast():
+            loss, parts = head_losses(target, head, windows[picks], hidden[picks], settings.regression_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+        optimizer.step()
+        took = time.perf_counter() - start
+        step, elapsed = step + 1, elapsed + took
+        tokens += len(picks) * (windows.shape[1] - 1)
+        history.append({"step": step, "loss": loss.item(), **parts, "tokens": tokens, "elapsed": round(elapsed, 2),
+                        "tokens_per_s": len(picks) * (windows.shape[1] - 1) / took})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{parts['agreement']:.1%}")
+    bar.close()
+    head.eval()
+    return history
+
+
+def next_batch(order: torch.Tensor, batch_size: int, count: int,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Take the next `batch_size` window ids from a shuffled order, reshuffling when it runs out."""
+    if len(order) < batch_size:
+        order = torch.cat([order, torch.randperm(count, generator=generator)])
+    return order[:batch_size], order[batch_size:]
+
+
+def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
+    torch.manual_seed(seed)
+    head = MTPHead(MTPHeadConfig.for_target(read_hf_config(target_dir), architecture))
+    init_weights(head)
+    return head
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, type=Path, help="frozen target model directory")
+    parser.add_argument("--out", required=True, type=Path, help="head directory to write")
+    parser.add_argument("--arch", choices=HEAD_ARCHITECTURES, default="rmsnorm",
+                        help="eagle: EAGLE-1 layout without norms; rmsnorm: DeepSeek MTP layout with norms")
+    parser.add_argument("--train-windows", type=int, default=600, help="training windows of target hidden states")
+    parser.add_argument("--window-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=48)
+    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--max-bytes", type=int, default=None)
+    parser.add_argument("--minutes", type=float, default=None, help="training time budget")
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--regression-weight", type=float, default=1.0)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    target = load_model(args.target, show_progress=False)
+    windows = train_windows(args.train_windows, args.window_len, args.seed + 1, args.tokenizer, args.max_bytes)
+    hidden = cached_hidden(args.target, target, windows)
+    head = build_head(args.target, args.arch, args.seed)
+    settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
+                                 max_steps=args.max_steps, minutes=args.minutes, precision=args.precision,
+                                 seed=args.seed)
+    history = train_head(target, head, windows, hidden, settings)
+    save_mtp_head(head, args.out)
+    result = evaluate(target, load_heldout(args.eval_windows, args.window_len, args.tokenizer, args.max_bytes),
+                      load_mtp_head(target, args.out))
+    print(describe(result))
+    write_head_log(args, settings, history, asdict(result))
+
+
+def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, history: list[dict], result: dict) -> dict:
+    elapsed = history[-1]["elapsed"] if history else 0.0
+    tokens = history[-1]["tokens"] if history else 0
+    summary = {"date": time.strftime("%Y-%m-%d"), "target": str(args.target), "head_architecture": args.arch,
+               "settings": asdict(settings), "train_windows": args.train_windows, "window_len": args.window_len,
+               "steps": len(history), "tokens": tokens, "train_minutes": round(elapsed / 60, 2),
+               "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1), "eval": result, "history": history}
+    (args.out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot_losses(history, [], args.out / "loss_curve.png", title=f"{args.out.name} ({args.arch})")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="moespec train-mtp-head", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Training pipeline on a small corpus slice with tiny configs: losses fall, checkpoints reload in
+our loader and in transformers, resume continues, head training leaves the target untouched."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from moespec.attention import DenseCausalAttention, ForwardContext
+from moespec.models import load_model
+from moespec.models.mtp_head import MTPHeadModel, load_mtp_head, save_mtp_head
+from moespec.training import train_model
+from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
+from moespec.training.train_mtp_head import HeadTrainSettings, build_head, precompute_hidden, train_head
+from moespec.training.train_model import Trainer
+
+MAX_BYTES = 200_000
+TINY_DEEPSEEK = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 4096, "hidden_size": 32,
+    "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+    "v_head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+    "topk_group": 1, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "max_position_embeddings": 128,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "tie_word_embeddings": False,
+}
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 4096, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 16, "max_position_embeddings": 128, "tie_word_embeddings": False,
+}
+
+
+def train_args(preset_path, out, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_model.add_arguments(parser)
+    return parser.parse_args(["--preset", str(preset_path), "--out", str(out), "--max-bytes", str(MAX_BYTES),
+                              "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
+                              "--eval-windows", "4", "--eval-every", "1000", *extra])
+
+
+def write_preset(tmp_path, preset: dict):
+    path = tmp_path / f"{preset['model_type']}.json"
+    path.write_text(json.dumps(preset))
+    return path
+
+
+def train(tmp_path, preset: dict, steps: int, *extra: str) -> Trainer:
+    trainer = Trainer(train_args(write_preset(tmp_path, preset), tmp_path / "out", "--max-steps", str(steps), *extra))
+    trainer.run()
+    return trainer
+
+
+def dense_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits [T, V], MTP logits [T-1, V] or None) of one sequence with the dense path."""
+    T = ids.numel()
+    with torch.no_grad():
+        hidden = model(ids, torch.arange(T), ForwardContext(DenseCausalAttention(1), None))
+        mtp = None
+        if getattr(model, "num_mtp_layers", 0):
+            mtp_hidden = model.forward_mtp(0, ids[1:], hidden[:-1], torch.arange(T - 1),
+                                           ForwardContext(DenseCausalAttention(1), None))
+            mtp = model.compute_mtp_logits(0, mtp_hidden)
+        return model.compute_logits(hidden), mtp
+
+
+def round_to_bf16(model) -> None:
+    """Round every saved tensor as the bfloat16 checkpoint does (rotary inv_freq is not saved)."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.copy_(tensor.to(torch.bfloat16).float())
+
+
+@pytest.fixture(scope="module")
+def trained_deepseek(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("deepseek"), TINY_DEEPSEEK, 20)
+
+
+@pytest.fixture(scope="module")
+def trained_llama(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("llama"), TINY_LLAMA, 20)
+
+
+def mean_loss(history: list[dict], key: str, steps: slice) -> float:
+    values = [r[key] for r in history[steps]]
+    return sum(values) / len(values)
+
+
+def test_deepseek_training_reduces_main_and_mtp_loss_and_balances(trained_deepseek):
+    history = trained_deepseek.state.history
+    for key in ("ce", "mtp_ce"):
+        assert mean_loss(history, key, slice(-3, None)) < mean_loss(history, key, slice(0, 3)) - 0.5, key
+    biases = [r.e_score_correction_bias for r in trained_deepseek.balancer.routers]
+    assert len(biases) == 2  # the MoE layer and the MTP layer
+    assert all(b.abs().sum() > 0 and b.abs().max() <= 20 * 1e-3 + 1e-6 for b in biases)
+
+
+def test_llama_training_reduces_loss(trained_llama):
+    history = trained_llama.state.history
+    assert mean_loss(history, "ce", slice(-3, None)) < mean_loss(history, "ce", slice(0, 3)) - 0.5
+    out = trained_llama.out
+    assert (out / "loss_curve.png").is_file()
+    assert json.loads((out / "train_log.json").read_text())["steps"] == 20
+
+
+@pytest.mark.parametrize("fixture", ["trained_deepseek", "trained_llama"])
+def test_checkpoint_reloads_with_our_loader(fixture, request):
+    trainer = request.getfixturevalue(fixture)
+    model = trainer.model.eval()
+    round_to_bf16(model)  # the checkpoint stores bfloat16
+    loaded = load_model(trainer.out, show_progress=False)
+    ids = trainer.heldout[0]
+    ours, ours_mtp = dense_logits(loaded, ids)
+    expected, expected_mtp = dense_logits(model, ids)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    if expected_mtp is not None:
+        assert ours_mtp is not None
+        torch.testing.assert_close(ours_mtp, expected_mtp, atol=1e-4, rtol=1e-4)
+    config = json.loads((trainer.out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == 1
+
+
+@pytest.mark.parametrize("fixture", ["trained_deepseek", "trained_llama"])
+def test_checkpoint_reloads_with_transformers(fixture, request):
+    from transformers import AutoModelForCausalLM
+
+    trainer = request.getfixturevalue(fixture)
+    loaded = load_model(trainer.out, show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(trainer.out, dtype=torch.float32).eval()
+    ids = trainer.heldout[0]
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(dense_logits(loaded, ids)[0], theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_continues_from_saved_step(tmp_path):
+    path = write_preset(tmp_path, TINY_LLAMA)
+    straight = Trainer(train_args(path, tmp_path / "straight", "--max-steps", "6"))
+    straight.run()
+    Trainer(train_args(path, tmp_path / "split", "--max-steps", "6", "--stop-at-step", "4")).run()
+    resumed = Trainer(train_args(path, tmp_path / "split", "--max-steps", "6", "--resume"))
+    assert resumed.state.step == 4
+    resumed.run()
+    assert resumed.state.step == 6 and len(resumed.state.history) == 6
+    losses = [r["loss"] for r in resumed.state.history]
+    assert losses == pytest.approx([r["loss"] for r in straight.state.history], rel=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["eagle", "rmsnorm"])
+@pytest.mark.parametrize("fixture", ["trained_llama", "trained_deepseek"])
+def test_head_training_changes_only_the_head(arch, fixture, request, tmp_path):
+    trainer = request.getfixturevalue(fixture)
+    target = load_model(trainer.out, show_progress=False)
+    frozen = {name: t.clone() for name, t in target.state_dict().items()}
+    windows = trainer.heldout[:4, :24]  # [N, W]
+    hidden = precompute_hidden(target, windows)
+    head = build_head(trainer.out, arch, seed=0)
+    before = {name: p.detach().clone() for name, p in head.named_parameters()}
+    history = train_head(target, head, windows, hidden, HeadTrainSettings(max_steps=4, batch_size=2, warmup_steps=1))
+    assert len(history) == 4
+    assert all(torch.equal(t, frozen[name]) for name, t in target.state_dict().items())
+    assert all(not torch.equal(p, before[name]) for name, p in head.named_parameters())
+
+    save_mtp_head(head, tmp_path / "head")
+    assert not any("embed" in n or "lm_head" in n for n in load_mtp_head(target, tmp_path / "head").head.state_dict())
+    round_to_bf16(head)
+    reloaded = load_mtp_head(target, tmp_path / "head")
+    torch.testing.assert_close(mtp_forward(reloaded, windows, hidden.float()),
+                               mtp_forward(MTPHeadModel(target, head), windows, hidden.float()), atol=1e-4, rtol=1e-4)
+    result = evaluate(target, windows, reloaded, batch_size=2)
+    assert 0.0 <= result.head_agreement <= 1.0 and result.head_tokens == 4 * 23
+
+
+def test_paged_eval_matches_dense_forward(trained_deepseek):
+    """The evaluation's paged prefill batch gives the same logits as the dense training path."""
+    from moespec.model_runner import ModelRunner
+    from moespec.training.evaluate import target_forward
+
+    model = load_model(trained_deepseek.out, show_progress=False)
+    windows = trained_deepseek.heldout[:2]
+    runner = ModelRunner(model, 2 * -(-windows.shape[1] // 16), 16)
+    _, logits = target_forward(runner, windows)
+    assert prefill_batch(windows).num_tokens == windows.numel()
+    torch.testing.assert_close(logits[1], dense_logits(model, windows[1])[0], atol=1e-4, rtol=1e-4)
