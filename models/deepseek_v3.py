@@ -175,6 +175,9 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
+        forward_with_shared = getattr(self.experts, "forward_with_shared", None)
+        if forward_with_shared is not None:  # expert parallel: shared experts run while all-to-alls fly
+            return forward_with_shared(x, topk_ids, topk_weights.to(x.dtype), self.shared_experts)
         out = self.experts(x, topk_ids, topk_weights.to(x.dtype))
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 

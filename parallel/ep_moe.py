@@ -1,0 +1,330 @@
+"""Expert-parallel routed experts: dispatch -> local experts -> combine, optionally as two
+microbatches whose all-to-alls overlap the other half's compute.
+
+Every rank runs the same batch through attention (replicated), so every rank holds the same
+x [T, M] and routing. Each rank therefore sends only its own contiguous share of the tokens
+(about T / G rows): dispatch one row per (token, destination rank) with that rank's expert ids
+and gate weights, run the local experts, weight and sum per row on the expert side, combine back
+to the token's owner, and all-gather the shards so every rank again holds all T outputs.
+Dispatching all T tokens from every rank would move G times more data for the same result.
+
+Shapes legend: T tokens, A activated experts per token, E experts (global), L local experts,
+M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, expert) pairs.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal
+
+import torch
+
+from moespec.models.moe import LocalExperts
+from moespec.parallel.comm import Collectives, CommStream
+from moespec.parallel.groups import ParallelContext, ParallelError
+
+Backend = Literal["torch", "deepep"]
+SharedExperts = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+# ---------------------------------------------------------------------------------- the step
+
+def split_point(qo_indptr: torch.Tensor) -> int:
+    """The request boundary nearest the middle of the batch: each request's tokens stay in one half.
+    qo_indptr [B+1]. Depends only on the batch, so every rank that sees the batch agrees."""
+    total = int(qo_indptr[-1])
+    bounds = qo_indptr.tolist()
+    return min(bounds, key=lambda b: (abs(2 * b - total), b))
+
+
+class EPRuntime:
+    """What every EP layer of one model shares: the group, the comm thread, the backend and the
+    current step's microbatch split (set by `step`, read by every MoE layer, MTP included)."""
+
+    def __init__(self, ctx: ParallelContext, collectives: Collectives | None = None, backend: Backend = "torch",
+                 microbatch: bool = False, max_tokens_per_rank: int = 256) -> None:
+        self.ctx, self.backend, self.microbatch = ctx, backend, microbatch
+        self.max_tokens_per_rank = max_tokens_per_rank  # DeepEP low-latency buffers: D * (1 + k)
+        self.collectives = collectives or Collectives(ctx)
+        self.stream = CommStream(self.collectives)
+        self.split: int | None = None
+        self.active = False
+
+    @contextmanager
+    def step(self, qo_indptr: torch.Tensor | None = None) -> Iterator[None]:
+        """Run one forward; with microbatching on and request boundaries given, MoE layers split
+        the batch in two at `split_point(qo_indptr)` (an empty half is legal)."""
+        if self.active:
+            raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
+        self.active = True
+        self.split = split_point(qo_indptr) if self.microbatch and qo_indptr is not None else None
+        try:
+            yield
+        finally:
+            self.active, self.split = False, None
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def ep_experts_factory(runtime: EPRuntime) -> Callable:
+    """`load_model(path, experts_factory=ep_experts_factory(runtime))`: each MoE layer keeps only
+    this rank's experts, and weight loading skips the others."""
+    def build(config) -> LocalExperts:
+        if runtime.ctx.ep_size == 1:
+            return LocalExperts.for_config(config)
+        cls = DeepEPExperts if runtime.backend == "deepep" else EPExperts
+        return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, runtime)
+    return build
+
+
+def shard_bounds(num_tokens: int, rank: int, size: int) -> tuple[int, int]:
+    """Rows [lo, hi) of `num_tokens` this rank dispatches: an even split in rank order."""
+    return num_tokens * rank // size, num_tokens * (rank + 1) // size
+
+
+def check_divisible(num_experts: int, ep_size: int) -> None:
+    if num_experts % ep_size != 0:
+        raise ParallelError(f"n_routed_experts {num_experts} is not divisible by parallel.ep_size {ep_size}; "
+                            "choose an ep_size that divides the expert count")
+
+
+# ------------------------------------------------------------------------- torch backend
+
+@dataclass
+class Dispatched:
+    """One half after dispatch: the rows this rank received and how to send results back."""
+
+    x: torch.Tensor  # [R, M]
+    local_ids: torch.Tensor  # [R, A] local expert ids, -1 where the expert lives elsewhere
+    weights: torch.Tensor  # [R, A] gate weights, 0 where the expert lives elsewhere
+    token_index: torch.Tensor  # [N] shard row each sent row came from (grouped by destination)
+    send_counts: list[int]
+    recv_counts: list[int]
+    num_tokens: int  # T of this half
+
+
+class EPExperts(LocalExperts):
+    """Routed experts [first, first + L) of this rank; all-to-all over torch.distributed."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime) -> None:
+        ctx = runtime.ctx
+        check_divisible(num_experts, ctx.ep_size)
+        num_local = num_experts // ctx.ep_size
+        super().__init__(num_experts, hidden, intermediate, first=ctx.ep_rank * num_local, num_local=num_local)
+        self.runtime = runtime
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_shared(x, topk_ids, topk_weights, None)
+
+    def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            shared: SharedExperts) -> torch.Tensor:
+        """Routed (+ shared) expert output [T, M]; the shared experts run where they hide communication."""
+        split = self.runtime.split
+        if split is None or x.shape[0] == 0:
+            return self.forward_sequential(x, topk_ids, topk_weights, shared)
+        return self.forward_microbatched(x, topk_ids, topk_weights, split, shared)
+
+    def forward_sequential(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           shared: SharedExperts = None) -> torch.Tensor:
+        stream = self.runtime.stream
+        received = stream.run("dispatch", self.dispatch, x, topk_ids, topk_weights)
+        out = stream.run("combine", self.combine, self.compute(received), received)  # [T, M]
+        return out + shared(x) if shared is not None else out
+
+    def forward_microbatched(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                             split: int, shared: SharedExperts = None) -> torch.Tensor:
+        """Halves [0, split) and [split, T). Comm thread: dispatch A, dispatch B, combine A,
+        combine B; meanwhile this thread runs shared(A), experts(A), experts(B), shared(B)."""
+        halves = [h for h in (slice(0, split), slice(split, x.shape[0])) if h.stop > h.start]
+        stream = self.runtime.stream
+        dispatched = [stream.submit("dispatch", self.dispatch, x[h], topk_ids[h], topk_weights[h]) for h in halves]
+        shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
+        combined = []
+        for handle in dispatched:
+            received = handle.wait()
+            combined.append(stream.submit("combine", self.combine, self.compute(received), received))
+        if shared is not None:
+            shared_out += [shared(x[h]) for h in halves[1:]]  # hides the last combine
+        out = torch.cat([handle.wait() for handle in combined])  # [T, M]
+        return out + torch.cat(shared_out) if shared is not None else out
+
+    # -- the three stages (dispatch and combine run on the comm thread)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        """Send each token of this rank's shard once to every rank owning one of its experts."""
+        ctx, coll = self.runtime.ctx, self.runtime.collectives
+        lo, hi = shard_bounds(x.shape[0], ctx.ep_rank, ctx.ep_size)
+        token_index, dest = self.plan_rows(topk_ids[lo:hi])  # [N], [N]
+        ids = topk_ids[lo:hi][token_index]  # [N, A]
+        owned = ids // self.num_local == dest[:, None]  # [N, A] expert lives on the row's destination
+        local_ids = torch.where(owned, ids - dest[:, None] * self.num_local, -1).to(torch.int32)
+        weights = torch.where(owned, topk_weights[lo:hi][token_index], 0).to(x.dtype)
+        send_counts = torch.bincount(dest, minlength=ctx.ep_size)  # [G]
+        recv_counts = coll.exchange_counts(send_counts).tolist()
+        payload = pack_rows(x[lo:hi][token_index], weights, local_ids)  # [N, bytes]
+        received = coll.all_to_all(payload, send_counts.tolist(), recv_counts)
+        rx, rw, rids = unpack_rows(received, x.shape[1], topk_ids.shape[1], x.dtype)
+        return Dispatched(rx, rids, rw, token_index, send_counts.tolist(), recv_counts, x.shape[0])
+
+    def plan_rows(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_ids [Ts, A] -> (token row, destination rank) of each row to send, grouped by rank."""
+        G = self.runtime.ctx.ep_size
+        dest = topk_ids // self.num_local  # [Ts, A]
+        hits = torch.zeros(topk_ids.shape[0], G, dtype=torch.bool)
+        hits.scatter_(1, dest, True)  # [Ts, G] token needs rank g
+        rank, token = hits.t().nonzero(as_tuple=True)  # rank-major: grouped by destination
+        return token, rank
+
+    def compute(self, received: Dispatched) -> torch.Tensor:
+        return self.compute_rows(received.x, received.local_ids, received.weights)
+
+    def compute_rows(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [R, M], local_ids [R, A] (-1: not here), weights [R, A] -> weighted sum of this rank's
+        experts per row [R, M]."""
+        rows, slots = (local_ids >= 0).nonzero(as_tuple=True)  # [P] each
+        ids = local_ids[rows, slots].long()[:, None] + self.first  # [P, 1] global ids
+        out = x.new_zeros(x.shape)
+        if rows.numel():
+            out.index_add_(0, rows, LocalExperts.forward(self, x[rows], ids, weights[rows, slots][:, None]))
+        return out
+
+    def combine(self, y: torch.Tensor, received: Dispatched) -> torch.Tensor:
+        """y [R, M] -> back to the senders, summed per token -> all ranks' shards gathered [T, M]."""
+        ctx, coll = self.runtime.ctx, self.runtime.collectives
+        back = coll.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
+        lo, hi = shard_bounds(received.num_tokens, ctx.ep_rank, ctx.ep_size)
+        shard = y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
+        return gather_shards(coll, shard, received.num_tokens)
+
+
+def gather_shards(coll: Collectives, shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Every rank's shard [Ts, M] -> [T, M]; shards are padded to one size for the all-gather."""
+    G, width = coll.size, -(-num_tokens // coll.size)
+    padded = shard.new_zeros(width, shard.shape[1])
+    padded[: shard.shape[0]] = shard
+    gathered = coll.all_gather(padded)  # [G * width, M]
+    parts = [gathered[g * width: g * width + hi - lo] for g, (lo, hi) in
+             enumerate(shard_bounds(num_tokens, g, G) for g in range(G))]
+    return torch.cat(parts)
+
+
+def pack_rows(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """x [N, M], weights [N, A], local_ids [N, A] int32 -> one byte row each [N, bytes], so a
+    dispatch is a single all-to-all."""
+    return torch.cat([t.contiguous().view(torch.uint8) for t in (x, weights, local_ids)], dim=1)
+
+
+def unpack_rows(payload: torch.Tensor, hidden: int, top_k: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    size = torch.empty((), dtype=dtype).element_size()
+    x_end, w_end = hidden * size, (hidden + top_k) * size
+    x = payload[:, :x_end].contiguous().view(dtype)  # [R, M]
+    weights = payload[:, x_end:w_end].contiguous().view(dtype)  # [R, A]
+    local_ids = payload[:, w_end:].contiguous().view(torch.int32)  # [R, A]
+    return x, weights, local_ids
+
+
+# ------------------------------------------------------------------------- DeepEP backend
+
+class DeepEPExperts(EPExperts):
+    """DeepEP V1 API (`from deep_ep import Buffer`): normal mode for shards larger than the
+    low-latency budget (prefill), low-latency mode otherwise (decode/verify), with
+    `return_recv_hook` so two microbatches overlap. Needs CUDA, NVSHMEM and a DeepEP build; it
+    has not run on this project's CPU machines. Each rank dispatches its token shard, as in the
+    torch backend, and the shards are all-gathered over torch.distributed."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime) -> None:
+        super().__init__(num_experts, hidden, intermediate, runtime)
+        self.buffers: dict[str, object] = {}
+
+    def buffer(self, mode: Literal["normal", "low_latency"]):
+        if mode not in self.buffers:
+            self.buffers[mode] = build_deepep_buffer(self.runtime, self.w2.shape[1], self.num_experts, mode)
+        return self.buffers[mode]
+
+    def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            shared: SharedExperts) -> torch.Tensor:
+        split = self.runtime.split
+        halves = [slice(0, x.shape[0])] if split is None else [slice(0, split), slice(split, x.shape[0])]
+        halves = [h for h in halves if h.stop > h.start]
+        if not halves:
+            return x.new_zeros(x.shape)
+        shards = [self.shard_of(h) for h in halves]
+        if max(s.stop - s.start for s in shards) > self.runtime.max_tokens_per_rank:
+            out = torch.cat([self.run_normal(x[s], topk_ids[s], topk_weights[s]) for s in shards])
+        else:
+            out = self.run_low_latency(x, topk_ids, topk_weights, shards)
+        out = self.gather_halves(out, halves)
+        return out + shared(x) if shared is not None else out
+
+    def shard_of(self, half: slice) -> slice:
+        """This rank's rows of one half, as absolute rows of the batch."""
+        ctx = self.runtime.ctx
+        lo, hi = shard_bounds(half.stop - half.start, ctx.ep_rank, ctx.ep_size)
+        return slice(half.start + lo, half.start + hi)
+
+    def run_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted) -> combine."""
+        buf, ids = self.buffer("normal"), topk_ids.long()
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
+        recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=topk_weights.float())
+        y = self.compute_rows(recv_x, recv_ids, recv_w.to(x.dtype))  # recv_ids are local ids, -1 elsewhere
+        combined, _, _ = buf.combine(y, handle)
+        return combined  # [Ts, M]
+
+    def run_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        shards: list[slice]) -> torch.Tensor:
+        """Decode/verify: send every shard's dispatch first; receive (hook) and compute one while
+        the other is still in flight; combines likewise. At most two results live (two buffers)."""
+        buf, budget = self.buffer("low_latency"), self.runtime.max_tokens_per_rank
+        sent = [buf.low_latency_dispatch(x[s], topk_ids[s].long(), budget, self.num_experts, use_fp8=False,
+                                         return_recv_hook=True) for s in shards]
+        combines = []
+        for s, (recv_x, recv_count, handle, _, hook) in zip(shards, sent):
+            hook()  # receive this shard's tokens
+            y = self.compute_low_latency(recv_x, recv_count)
+            combines.append(buf.low_latency_combine(y, topk_ids[s].long(), topk_weights[s].float(), handle,
+                                                    return_recv_hook=True))
+        outs = []
+        for combined, _, hook in combines:
+            hook()
+            outs.append(combined)
+        return torch.cat(outs)  # [sum Ts, M]
+
+    def compute_low_latency(self, recv_x: torch.Tensor, recv_count: torch.Tensor) -> torch.Tensor:
+        """recv_x [L, G * budget, M], only the first recv_count[e] rows of expert e valid -> same shape
+        (unweighted: low_latency_combine applies the gate weights)."""
+        out = torch.zeros_like(recv_x)
+        for local, count in enumerate(recv_count.tolist()):
+            if count:
+                out[local, :count] = self.run_expert(local, recv_x[local, :count])
+        return out
+
+    def gather_halves(self, shard_out: torch.Tensor, halves: list[slice]) -> torch.Tensor:
+        ctx, coll, outs, start = self.runtime.ctx, self.runtime.collectives, [], 0
+        for h in halves:
+            lo, hi = shard_bounds(h.stop - h.start, ctx.ep_rank, ctx.ep_size)
+            outs.append(gather_shards(coll, shard_out[start: start + hi - lo], h.stop - h.start))
+            start += hi - lo
+        return torch.cat(outs)
+
+
+def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int, mode: str):
+    try:
+        from deep_ep import Buffer  # optional: built from source, see docs/expert-parallel.md
+    except ImportError as error:
+        raise ParallelError("parallel.moe_backend 'deepep' needs DeepEP built from source "
+                            "(github deepseek-ai/DeepEP; the PyPI deep-ep package cannot compile); "
+                            "use moe_backend 'torch' otherwise") from error
+    group, size = runtime.ctx.ep_group, runtime.ctx.ep_size
+    if mode == "low_latency":
+        budget = runtime.max_tokens_per_rank
+        rdma = Buffer.get_low_latency_rdma_size_hint(budget, hidden, size, num_experts)
+        return Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=num_experts // size)
+    configs = (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size))
+    nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, size) for c in configs)  # bf16 rows
+    rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden * 2, size) for c in configs) if size > 8 else 0
+    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)

@@ -1,0 +1,212 @@
+"""Expert parallelism on CPU: ranks are local processes joined over gloo.
+
+EP=2 and EP=4 must reproduce the single-process target and MTP logits, with and without two-way
+microbatching and a modelled slow link; a rank that dies must make the others fail clearly.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+from moespec.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
+from moespec.config import ParallelSection, load_config
+from moespec.kv_cache import KVCache, PageAllocator
+from moespec.models import load_model
+from moespec.parallel import (EPRuntime, LinkModel, ParallelContext, ParallelError, ThrottledCollectives, destroy,
+                              ep_experts_factory, init_parallel, parse_nodelist, read_launch_env, split_point)
+from moespec.parallel.ep_moe import DeepEPExperts, EPExperts
+from moespec.parallel.local_launch import run_ranks
+from tiny_models import save_tiny_deepseek
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 1, 60, 2, 11], [9, 4, 4, 30], [70, 71, 72, 73, 74, 75, 76], [1, 2]]
+CHUNKS = (None, 2)  # whole prompts at once (prefill), then 2 tokens per request (1 + k verify, k = 1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-deepseek-mtp")
+    save_tiny_deepseek(path, mtp=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = load_model(checkpoint, show_progress=False)
+    return {chunk: paged_target_and_mtp(model, PROMPTS, chunk, None) for chunk in CHUNKS}
+
+
+def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, runtime: EPRuntime | None,
+                         page_size: int = 4) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each prompt's target logits [L, V] and MTP logits [L, V] (MTP fed token i+1 at position i),
+    all requests batched per step in chunks of `chunk` tokens each."""
+    allocator = PageAllocator(64, page_size)
+    cache = KVCache(model.kv_cache_spec(), 64, page_size, torch.float32)
+    pages = [allocator.allocate(allocator.pages_for(len(p))) for p in prompts]
+    done, target, mtp = [0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        ids, nxt, meta = build_step(prompts, pages, done, active, chunk or max(map(len, prompts)), page_size)
+        backend = TorchPagedAttention()
+        backend.plan(meta)
+        ctx = ForwardContext(backend, cache.layers)
+        with torch.no_grad(), (runtime.step(meta.qo_indptr) if runtime else contextlib.nullcontext()):
+            hidden = model(ids, meta.positions, ctx)
+            logits = model.compute_logits(hidden)
+            mtp_logits = model.compute_mtp_logits(0, model.forward_mtp(0, nxt, hidden, meta.positions, ctx))
+        qo = meta.qo_indptr.tolist()
+        for j, i in enumerate(active):
+            target[i].append(logits[qo[j]:qo[j + 1]])
+            mtp[i].append(mtp_logits[qo[j]:qo[j + 1]])
+            done[i] += qo[j + 1] - qo[j]
+    return [torch.cat(t) for t in target], [torch.cat(m) for m in mtp]
+
+
+def build_step(prompts: list[list[int]], pages: list[list[int]], done: list[int], active: list[int], chunk: int,
+               page_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Token ids [T], the next token of each (MTP input) [T], and the step's attention metadata."""
+    ids, nxt, positions, qo, kv, indices, last = [], [], [], [0], [0], [], []
+    for i in active:
+        end = min(done[i] + chunk, len(prompts[i]))
+        ids += prompts[i][done[i]:end]
+        nxt += (prompts[i] + [0])[done[i] + 1:end + 1]
+        positions += range(done[i], end)
+        qo.append(qo[-1] + end - done[i])
+        used = -(-end // page_size)
+        indices += pages[i][:used]
+        kv.append(kv[-1] + used)
+        last.append(end - (used - 1) * page_size)
+    tensor = torch.tensor
+    meta = AttentionMetadata(tensor(qo), tensor(kv), tensor(indices), tensor(last), tensor(positions), page_size)
+    return tensor(ids), tensor(nxt), meta
+
+
+def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0,
+            die: bool = False, hang: bool = False, timeout_s: float = 20) -> dict:
+    ctx = init_parallel(ParallelSection(ep_size=ep_size, microbatch=microbatch, timeout_s=timeout_s))
+    link = ThrottledCollectives(ctx, LinkModel(latency_s, 1e9)) if latency_s else None
+    runtime = EPRuntime(ctx, link, microbatch=microbatch)
+    model = load_model(checkpoint, show_progress=False, experts_factory=ep_experts_factory(runtime))
+    if die and rank == ep_size - 1:
+        os._exit(3)  # a crashed rank: no goodbye to its peers
+    if hang and rank == ep_size - 1:
+        time.sleep(3 * timeout_s)  # a stuck rank: alive, silent
+    start = time.monotonic()
+    try:
+        return {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime) for chunk in CHUNKS}
+    except ParallelError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    finally:
+        runtime.close()
+        destroy(ctx)
+
+
+def max_error(got: tuple, want: tuple) -> float:
+    return max((g - w).abs().max().item() for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+
+
+def run_ep(checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0) -> list[dict]:
+    outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, microbatch, latency_s, timeout_s=50)
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.error
+    return [outcome.value for outcome in outcomes]
+
+
+@pytest.mark.parametrize("ep_size,microbatch,latency_s", [(2, False, 0.0), (2, True, 0.002), (4, True, 0.0)])
+def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s):
+    ranks = run_ep(checkpoint, ep_size, microbatch, latency_s)
+    for chunk in CHUNKS:
+        for values in ranks:  # every rank ends with the full batch's logits
+            error = max_error(values[chunk], reference[chunk])
+            assert error < 1e-5, (chunk, error)
+
+
+def test_microbatched_equals_sequential(checkpoint):
+    sequential, microbatched = run_ep(checkpoint, 2, False)[0], run_ep(checkpoint, 2, True)[0]
+    for chunk in CHUNKS:
+        assert max_error(microbatched[chunk], sequential[chunk]) < 1e-5
+
+
+def test_dead_rank_fails_peers_clearly(checkpoint):
+    start = time.monotonic()
+    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, True, 0.0, True, timeout_s=50)
+    survivor, dead = outcomes
+    assert dead.exitcode == 3
+    assert survivor.error is None and "error" in survivor.value, survivor
+    assert "peer rank" in survivor.value["error"] and "rank 0 of 2" in survivor.value["error"]
+    assert survivor.value["seconds"] < 30 and time.monotonic() - start < 50
+
+
+def test_stuck_rank_fails_peers_after_timeout(checkpoint):
+    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, False, 0.0, False, True, 4.0, timeout_s=20)
+    survivor = outcomes[0]
+    assert survivor.error is None and "error" in survivor.value, survivor
+    assert "peer rank" in survivor.value["error"] and survivor.value["seconds"] < 15
+
+
+def test_split_point_keeps_requests_whole():
+    assert split_point(torch.tensor([0, 2, 4, 6, 8])) == 4  # 2 * D verify tokens: D requests per half
+    assert split_point(torch.tensor([0, 1, 5])) == 1
+    assert split_point(torch.tensor([0, 7])) in (0, 7)  # one request: one half is empty
+    assert split_point(torch.tensor([0])) == 0
+
+
+def test_launch_env_torchrun_and_slurm():
+    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (1, 4, 1, "h", 7)
+    env = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_NODELIST": "gpu[07-09,12],cpu1"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 8, 1, "gpu07")
+    assert parse_nodelist("gpu[07-09,12],cpu1,n[8-10]") == ["gpu07", "gpu08", "gpu09", "gpu12", "cpu1", "n8", "n9",
+                                                             "n10"]
+    assert read_launch_env({}) is None
+
+
+def test_layout_errors_name_both_values():
+    with pytest.raises(ParallelError, match="needs a launcher"):
+        init_parallel(ParallelSection(ep_size=2), env={})
+    ctx = ParallelContext(0, 3, 0, None, 0, 3, True, torch.device("cpu"))
+    with pytest.raises(ParallelError, match="n_routed_experts 8 is not divisible by parallel.ep_size 3"):
+        EPExperts(8, 16, 8, fake_runtime(ctx))
+
+
+def fake_runtime(ctx: ParallelContext) -> EPRuntime:
+    runtime = EPRuntime.__new__(EPRuntime)
+    runtime.ctx = ctx
+    return runtime
+
+
+def test_ep2_config_loads():
+    config = load_config(os.path.join(ROOT, "configs", "tiny-deepseek-mtp-ep2.yaml"))
+    assert (config.parallel.ep_size, config.parallel.moe_backend, config.parallel.microbatch,
+            config.parallel.dist_backend) == (2, "torch", True, "gloo")
+
+
+def broadcast_rank(rank: int) -> list[list[int]]:
+    from moespec.batch import Span, pack_spans
+    from moespec.parallel import broadcast_batch
+    ctx = init_parallel(ParallelSection(ep_size=2, timeout_s=20))
+    batch = pack_spans([Span([3, 1], 5, [7, 8]), Span([0], 0, [9])], 4, "verify") if ctx.leader else None
+    got = broadcast_batch(ctx, batch)
+    destroy(ctx)
+    return [got.mode, got.page_size] + [getattr(got, name).tolist() for name in got.TENSORS]
+
+
+def test_leader_batch_reaches_every_rank():
+    leader, other = run_ranks(broadcast_rank, 2, timeout_s=40)
+    assert leader.error is None and other.error is None, (leader.error, other.error)
+    assert leader.value == other.value and leader.value[0] == "verify" and leader.value[2] == [7, 8, 9]
+
+
+def test_deepep_backend_without_deepep_says_what_to_install():
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("DeepEP is installed here")
+    experts = DeepEPExperts(8, 16, 8, fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu"))))
+    assert (experts.first, experts.num_local) == (0, 4)
+    with pytest.raises(ParallelError, match="DeepEP built from source"):
+        experts.buffer("low_latency")
