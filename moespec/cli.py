@@ -56,10 +56,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from moespec.llm import LLM
     from moespec.sampling import SamplingParams
 
-    llm = LLM(config=load_engine_config(args))
+    llm = LLM(config=load_engine_config(args))  # under torchrun, ranks other than 0 follow inside and exit
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    for out in llm.generate(args.prompt, params, use_tqdm=not args.json):
+    try:
+        outputs = llm.generate(args.prompt, params, use_tqdm=not args.json)
+    finally:
+        llm.close()
+    for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "token_ids": out.token_ids, "text": out.text,
                               "finish_reason": out.finish_reason}), flush=True)

@@ -18,9 +18,11 @@ import torch
 from moespec.batch import Batch, Span, build_batch, pack_spans
 from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
+from moespec.distributed import RankSync
 from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
+from moespec.parallel import ep_experts_factory
 from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
                               make_generator)
 from moespec.scheduler import Scheduler, SchedulerOutput
@@ -98,10 +100,15 @@ class EngineOutputs:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, ranks=None) -> None:
+        """`ranks` (from distributed.run_as_rank) when experts are sharded over several processes."""
         self.config = config
         c = config
-        self.model = model or load_model(c.model.path, c.model.dtype, c.model.device)
+        if c.parallel.ep_size > 1 and ranks is None:
+            raise ValueError("parallel.ep_size > 1: join the ranks first (moespec.distributed.run_as_rank)")
+        self.ranks = ranks
+        experts = {} if ranks is None else {"experts_factory": ep_experts_factory(ranks.runtime)}
+        self.model = model or load_model(c.model.path, c.model.dtype, c.model.device, **experts)
         self.tokenizer = tokenizer if model is not None else load_tokenizer(c.model.tokenizer or c.model.path)
         self.vocab_size = self.model.config.vocab_size
         self.allocator = PageAllocator(c.cache.num_kv_pages, c.cache.page_size)
@@ -110,6 +117,8 @@ class Engine:
                                   c.model.device)
         self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len)
         self.speculator = create_speculator(c, self.model, self.runner)
+        if ranks is not None:
+            self.attach_ranks(ranks)
         self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
                                         c.speculation.adaptive)
         self.spec_stats = SpecStats()
@@ -119,6 +128,19 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
         self.stats = StepStats()
         self.ids = itertools.count()
+
+    def attach_ranks(self, ranks) -> None:
+        """Every forward with MoE layers (target, built-in MTP) runs on all ranks in lockstep."""
+        self.runner.sync = RankSync(ranks.ctx, ranks.runtime)
+        if self.speculator.mode == "mtp" and not self.config.speculation.mtp_head:
+            self.speculator.sync = self.runner.sync
+
+    def close(self) -> None:
+        """Release the other ranks (they exit) and leave the process group."""
+        if self.ranks is not None:
+            self.runner.sync.stop()
+            self.ranks.close()
+            self.ranks = None
 
     def resolve_max_model_len(self) -> int:
         model_max = self.model.config.max_position_embeddings

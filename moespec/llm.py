@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from moespec.config import EngineConfig, build_config, load_config
+from moespec.distributed import run_as_rank
 from moespec.engine import Engine
 from moespec.outputs import CompletionOutput, RequestOutput
 from moespec.sampling import SamplingParams
@@ -25,7 +26,10 @@ class LLM:
             options = {k: v for k, v in {"model": model, "dtype": dtype, **engine_options}.items() if v is not None}
             config = build_config({}, options)
         self.config = config
-        self.engine = Engine(config)
+        self.engine = Engine(config, ranks=run_as_rank(config))  # other ranks follow inside and exit
+
+    def close(self) -> None:
+        self.engine.close()
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> "LLM":

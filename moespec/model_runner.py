@@ -6,6 +6,8 @@ Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
         self.backend = create_backend(attention_backend)
-
+        self.sync = None  # RankSync on the leader of an expert-parallel launch
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
         self.backend.plan(batch.attention_metadata())
@@ -31,6 +33,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        with self.sync.target(batch) if self.sync is not None else contextlib.nullcontext():
+            hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return hidden, logits

@@ -14,6 +14,7 @@ Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidd
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class MTPSpeculator(Speculator):
         self.hidden_cache = torch.zeros(num_pages * page_size, hidden_size, dtype=dtype, device=device)
         self.backend = create_backend(attention_backend)  # for catch-up and chain steps
         self.states: dict[str, MTPState] = {}
+        self.sync = None  # RankSync when a built-in MTP layer's experts are sharded over ranks
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
@@ -99,10 +101,12 @@ class MTPSpeculator(Speculator):
     def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
             rows: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP forward over a batch; returns (logits [N, V], hidden [N, M]) at `rows` (default: all)."""
+        reuse_target = ctx is not None  # the verify re-run: the target's plan and hidden states
         if ctx is None:
             self.backend.plan(batch.attention_metadata())
             ctx = ForwardContext(self.backend, self.caches)
-        out = self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
+        with self.sync.mtp(batch, token_ids, hidden, reuse_target) if self.sync else contextlib.nullcontext():
+            out = self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
         if rows is not None:
             out = out[rows]
         return self.mtp.compute_mtp_logits(0, out).float(), out
