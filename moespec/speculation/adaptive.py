@@ -3,9 +3,10 @@
 A config table maps batch size to k (the largest key <= batch size applies; 0 turns
 speculation off). With `adaptive: true` the engine also measures, per batch-size bucket,
 the tokens each request gains per step and the step's wall time, for the table's k and for
-k = 0, and uses whichever gives more tokens per second, re-measuring the other every
-`explore_every` steps: when verification stops paying (large batches, low acceptance) the
-step falls back to plain decoding.
+k = 0, and uses whichever gives more tokens per second, re-measuring the other now and
+then: when verification stops paying (large batches, low acceptance) the step falls back to
+plain decoding. A re-measurement costs a slow step (the draft catches up on what it skipped),
+so its interval doubles, from `explore_every` up to 16x, each time the loser stays the loser.
 """
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ class SpeculationPolicy:
         self.explore_every = explore_every
         self.measures: dict[tuple[int, int], Measure] = {}
         self.steps: dict[int, int] = {}
+        self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
+        self.leaders: dict[int, int] = {}  # bucket -> k that won the last comparison
+        self.next_explore: dict[int, int] = {}  # bucket -> step of the next re-measurement
 
     def table_k(self, batch_size: int) -> int:
         k = self.max_tokens
@@ -65,7 +69,14 @@ class SpeculationPolicy:
         if plain is None or plain.count < 2:
             return 0
         best, other = (k, 0) if spec.rate >= plain.rate else (0, k)
-        return other if step % self.explore_every == 0 else best
+        if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
+            self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
+            self.next_explore[bucket] = step + self.explore_every
+        if step < self.next_explore[bucket]:
+            return best
+        interval = min(2 * self.intervals[bucket], 16 * self.explore_every)
+        self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
+        return other
 
     def record(self, batch_size: int, k: int, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:
