@@ -14,5 +14,5 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:4,mtp:1,mtp:2 \
     --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1,4,16 --threads "$THREADS" \
     --hf-assisted --out docs/bench/spec-tiny-llama.json
-$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1 --adaptive on \
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1 --adaptive on --max-tokens 128 \
     --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive.json
