@@ -32,3 +32,15 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_eval_head_reports_engine_acceptance():
+    """eval-head measures the built-in MTP layer's agreement and, through the engine, its acceptance."""
+    result = subprocess.run([sys.executable, "-m", "moespec", "eval-head", "--target", "checkpoints/tiny-deepseek-v3",
+                             "--builtin-mtp", "--windows", "2", "--window-len", "128", "--engine-prompts", "2",
+                             "--threads", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0.2 < report["head_agreement"] <= 1.0
+    assert 1.0 < report["engine_accept_length"] <= 2.0
+    assert len(report["engine_acceptance_by_position"]) == 1

@@ -2,7 +2,7 @@
 KV cache (`TorchPagedAttention`), the head (or DeepSeek's built-in MTP layer) through
 `forward_mtp` over its own paged cache, all on models as `load_model` / `load_mtp_head` build them.
 
-Command: `moespec eval-head --target DIR [--head DIR | --builtin-mtp] [--windows N] [--json]`.
+Command: `moespec eval-head --target DIR [--head DIR | --builtin-mtp] [--windows N] [--engine-prompts N] [--json]`.
 
 Metrics on held-out windows: the target's mean next-token loss and accuracy, and the head's top-1
 agreement with the target's greedy next-next token (head at position i, fed the text's token
@@ -44,6 +44,8 @@ class EvalResult:
     head_agreement: float | None = None
     head_tokens: int = 0
     transformers_max_diff: float | None = None  # max |logit difference| vs transformers, when checked
+    engine_accept_length: float | None = None  # measured by the engine speculating greedily
+    engine_acceptance_by_position: list[float] | None = None
 
 
 def prefill_batch(windows: torch.Tensor, page_size: int = PAGE_SIZE) -> Batch:
@@ -150,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--check-transformers", action="store_true",
                         help="also compare our logits with transformers' on the first held-out window")
+    parser.add_argument("--engine-prompts", type=int, default=0,
+                        help="also speculate with the engine on this many held-out prompts and report acceptance")
+    parser.add_argument("--num-speculative-tokens", type=int, default=1, help="k for --engine-prompts")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -161,10 +166,28 @@ def run(args: argparse.Namespace) -> None:
     result = evaluate(target, windows, drafter)
     if args.check_transformers:
         result.transformers_max_diff = compare_with_transformers(args.target, windows[0])
+    if args.engine_prompts and drafter is not None:
+        measure_engine_acceptance(result, args, windows[: args.engine_prompts, :64].tolist())
     if args.json:
         print(json.dumps(asdict(result)))
     else:
         print(describe(result))
+
+
+def measure_engine_acceptance(result: EvalResult, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """Greedy generation with MTP speculation through the engine: accept length and per-position
+    acceptance as the serving path sees them."""
+    from moespec.llm import LLM
+    from moespec.sampling import SamplingParams
+
+    speculation = {"mode": "mtp", "num_speculative_tokens": args.num_speculative_tokens, "adaptive": False}
+    if args.head is not None:
+        speculation["mtp_head"] = str(args.head)
+    llm = LLM(model=str(args.target), speculation=speculation, page_size=PAGE_SIZE, num_kv_pages=4096)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.spec_stats
+    result.engine_accept_length = stats.accept_length
+    result.engine_acceptance_by_position = stats.acceptance_by_position()
 
 
 def describe(result: EvalResult) -> str:
@@ -174,6 +197,9 @@ def describe(result: EvalResult) -> str:
         text += f"; head top-1 agreement {result.head_agreement:.1%} over {result.head_tokens} positions"
     if result.transformers_max_diff is not None:
         text += f"; transformers reload max |logit diff| {result.transformers_max_diff:.2e}"
+    if result.engine_accept_length is not None:
+        by_position = ", ".join(f"{a:.1%}" for a in result.engine_acceptance_by_position)
+        text += f"; engine accept length {result.engine_accept_length:.2f} (acceptance by position: {by_position})"
     return text
 
 
