@@ -62,8 +62,3 @@ class KVCache:
         v = (torch.zeros(num_pages, page_size, spec.num_kv_heads, spec.v_dim, dtype=dtype, device=device)
              if spec.separate_v else None)
         return LayerKV(k, v)
-
-    @staticmethod
-    def bytes_per_page(specs: list[KVSpec], page_size: int, dtype: torch.dtype) -> int:
-        per_token = sum(s.num_kv_heads * (s.k_dim + (s.v_dim if s.separate_v else 0)) for s in specs)
-        return per_token * page_size * torch.empty(0, dtype=dtype).element_size()

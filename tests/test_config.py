@@ -10,7 +10,7 @@ from moespec.config import ConfigError, build_config, load_config
 
 
 def test_repo_configs_load():
-    for name in ("tiny-deepseek-mtp", "tiny-llama-draft", "deepseek-v3"):
+    for name in ("tiny-deepseek-mtp", "tiny-deepseek-mtp-ep2", "tiny-llama-draft", "deepseek-v3", "llama-70b-draft"):
         config = load_config(f"configs/{name}.yaml")
         assert config.model.path
     default = load_config("configs/tiny-deepseek-mtp.yaml")
