@@ -69,11 +69,12 @@ class DeepseekV3Config:
                     "n_routed_experts", "num_experts_per_tok")
         values = {k: hf_get(hf, k) for k in required}
         return cls(
-            **values, q_lora_rank=hf.get("q_lora_rank"), n_shared_experts=hf.get("n_shared_experts") or 0,
-            n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            # absent keys take transformers' DeepseekV3Config defaults, so both read a config alike
+            **values, q_lora_rank=hf.get("q_lora_rank", 1536), n_shared_experts=hf.get("n_shared_experts", 1) or 0,
+            n_group=hf.get("n_group", 8) or 1, topk_group=hf.get("topk_group", 4) or 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+            first_k_dense_replace=hf.get("first_k_dense_replace", 3) or 0,
             num_nextn_predict_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope=RopeConfig.from_hf(hf),
