@@ -1,0 +1,352 @@
+"""The slurm launch path (launch/slurm/).
+
+- The rank script's mapping of slurm's environment onto moespec's rendezvous, checked with fake
+  SLURM_* variables (no cluster needed; in the default suite).
+- A real one-node slurm cluster (munge + slurmctld + slurmd, all under a temp dir) that runs
+  `sbatch launch/slurm/cpu-test.sbatch` with 2 tasks (and llama-draft.sbatch on the tiny Llama pair,
+  and deepseek-v3-ep.sbatch cut down to one node of 2 CPU ranks), then asks the leader for a
+  completion. It installs Debian's slurm-wlm and munge when they are missing (root only) and
+  skips, with the reason, when slurm cannot be installed or started here. It runs in the default
+  suite (about 45 s), so CI exercises the launch scripts for real.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from moespec.parallel.groups import read_launch_env
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM_DIR = ROOT / "launch" / "slurm"
+RANK_SCRIPT = SLURM_DIR / "moespec-rank.sh"
+
+
+# --- the environment-variable contract -----------------------------------------------------------
+
+def run_rank_script(env_extra: dict[str, str], *args: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"MOESPEC_DRY_RUN": "1", "MOESPEC_HOME": str(ROOT)}, **env_extra)
+    out = subprocess.run(["bash", str(RANK_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    resolved = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line and ":" not in line.split("=")[0])
+    resolved["_stdout"] = out.stdout
+    return resolved
+
+
+@pytest.mark.parametrize("procid,localid", [(0, 0), (11, 3)])
+def test_rank_script_maps_slurm_env_to_rendezvous(procid, localid):
+    slurm = {"SLURM_PROCID": str(procid), "SLURM_NTASKS": "16", "SLURM_LOCALID": str(localid),
+             "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242",
+             "RANK": "5", "WORLD_SIZE": "99"}  # stale torchrun values from the submitting shell must not win
+    resolved = run_rank_script(slurm, "serve", "--config", "configs/deepseek-v3.yaml", "--port", "8123")
+    assert resolved["MASTER_ADDR"] == "gpu07"                  # head node = first host of the allocation
+    assert resolved["MASTER_PORT"] == str(20000 + 4242 % 10000)  # derived from the job id
+    assert resolved["COMMAND"].endswith("serve --config configs/deepseek-v3.yaml --port 8123")
+    # what moespec itself will read in that environment
+    child_env = {k: resolved[k] for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT")}
+    child_env["SLURM_JOB_NODELIST"] = resolved["SLURM_JOB_NODELIST"]
+    launch = read_launch_env(child_env)
+    assert (launch.rank, launch.world_size, launch.local_rank) == (procid, 16, localid)
+    assert (launch.master_addr, launch.master_port) == ("gpu07", 24242)
+    if procid == 0:
+        assert "serving the OpenAI API on http://" in resolved["_stdout"] and ":8123/v1" in resolved["_stdout"]
+    else:
+        assert "serving" not in resolved["_stdout"]
+
+
+def test_rank_script_keeps_given_master_and_refuses_without_slurm():
+    resolved = run_rank_script({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node1",
+                                "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29600"}, "serve")
+    assert (resolved["MASTER_ADDR"], resolved["MASTER_PORT"], resolved["SLURM_LOCALID"]) == ("10.0.0.5", "29600", "0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", str(RANK_SCRIPT), "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "srun" in out.stderr
+
+
+def test_rank_script_expands_nodelist_without_scontrol(tmp_path):
+    # a PATH without scontrol: the script falls back on moespec's own nodelist parser
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "head", "hostname"):
+        found = shutil.which(tool)
+        if found:
+            (bindir / tool).symlink_to(found)
+    resolved = run_rank_script({"PATH": str(bindir), "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                                "SLURM_JOB_NODELIST": "a100-[003-004],cpu9",
+                                "MOESPEC_BIN": str(Path(sys.executable).parent / "moespec")}, "serve")
+    assert resolved["MASTER_ADDR"] == "a100-003"
+
+
+def test_sbatch_templates_are_valid_bash():
+    for script in sorted(SLURM_DIR.glob("*.sbatch")) + [RANK_SCRIPT]:
+        out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert out.returncode == 0, f"{script.name}: {out.stderr}"
+        text = script.read_text()
+        assert "set -euo pipefail" in text, script.name
+    names = {p.name for p in SLURM_DIR.glob("*.sbatch")}
+    assert {"deepseek-v3-ep.sbatch", "llama-draft.sbatch", "cpu-test.sbatch"} <= names
+
+
+# --- a real one-node slurm cluster ---------------------------------------------------------------
+
+SLURM_PACKAGES = ["slurm-wlm", "munge"]
+NEEDED = ["munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "mungekey"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_tool(name: str) -> str | None:
+    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.path.exists(p)), None)
+
+
+def ensure_slurm_installed() -> None:
+    if all(find_tool(t) for t in NEEDED):
+        return
+    if os.geteuid() != 0:
+        pytest.skip("slurm/munge are not installed and installing them needs root (apt-get)")
+    if shutil.which("apt-get") is None:
+        pytest.skip("slurm/munge are not installed and there is no apt-get to install them")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    try:
+        update = subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, text=True, timeout=300)
+        install = subprocess.run(["apt-get", "install", "-y", "-qq", *SLURM_PACKAGES], env=env,
+                                 capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.skip(f"installing {' '.join(SLURM_PACKAGES)} with apt-get timed out: {e}")
+    if install.returncode != 0:
+        pytest.skip(f"apt-get could not install {' '.join(SLURM_PACKAGES)}: "
+                    f"{(update.stderr + install.stderr).strip()[-500:]}")
+    missing = [t for t in NEEDED if not find_tool(t)]
+    if missing:
+        pytest.skip(f"after installing {' '.join(SLURM_PACKAGES)}, still missing: {', '.join(missing)}")
+
+
+def write_cluster(tmp: Path, ctld_port: int, slurmd_port: int) -> tuple[Path, Path]:
+    """slurm.conf for one node 'localhost' with everything (state, spool, pids, logs) under tmp."""
+    for sub in ("state", "spool", "log", "munge"):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+    munge_socket = tmp / "munge" / "munge.socket"
+    mem_mb = max(1024, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 // 2)
+    cpus = max(2, os.cpu_count() or 2)
+    conf = tmp / "slurm.conf"
+    conf.write_text(f"""\
+ClusterName=moespectest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={tmp / 'state'}
+SlurmdSpoolDir={tmp / 'spool'}
+SlurmctldPidFile={tmp / 'slurmctld.pid'}
+SlurmdPidFile={tmp / 'slurmd.pid'}
+SlurmctldLogFile={tmp / 'log' / 'slurmctld.log'}
+SlurmdLogFile={tmp / 'log' / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+""")
+    return conf, munge_socket
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else f"({path.name}: none)"
+
+
+def stop_pidfile(pidfile: Path) -> None:
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def kill_tree_processes(marker: str) -> None:
+    """End leftover processes whose command line names this test's temp dir (ours only)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline or marker in environ:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_rank_script_puts_each_rank_on_its_own_gpu():
+    resolved = run_rank_script({"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                                "SLURM_JOB_NODELIST": "gpu[07-08]", "MOESPEC_DEVICE_PER_RANK": "cuda"}, "serve")
+    assert resolved["COMMAND"].endswith("serve --set model.device=cuda:5")
+
+
+CASES = {  # sbatch file -> (sbatch options, environment at submit time)
+    "cpu-test.sbatch": (["--ntasks=2"], {}),
+    # the single-node draft-target template, on the tiny Llama pair and without the GPU/memory request
+    "llama-draft.sbatch": (["--gpus-per-node=0", "--mem=1G", "--cpus-per-task=1"],
+                           {"MOESPEC_CONFIG": "configs/tiny-llama-draft.yaml", "MOESPEC_HOST": "127.0.0.1",
+                            "MOESPEC_SET": "model.device=cpu"}),
+    # the N-node EP template cut down to one node x 2 CPU ranks: tiny MoE checkpoint, gloo, no GPUs
+    "deepseek-v3-ep.sbatch": (["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"],
+                              {"MOESPEC_CONFIG": "configs/tiny-deepseek-mtp-ep2.yaml", "MOESPEC_HOST": "127.0.0.1",
+                               "MOESPEC_DEVICE_PER_RANK": "", "MOESPEC_SET": "parallel.dist_backend=gloo "
+                               "parallel.moe_backend=torch model.device=cpu model.attention_backend=torch"}),
+}
+
+
+@pytest.mark.parametrize("sbatch_file", list(CASES))
+def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
+    ensure_slurm_installed()
+    if os.geteuid() != 0:
+        pytest.skip("this one-node cluster runs slurmctld/slurmd/munged as root (SlurmUser=root); not root here")
+    tmp = tmp_path / "cluster"
+    conf, munge_socket = write_cluster(tmp, free_port(), free_port())
+    key = tmp / "munge" / "munge.key"
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    for k in list(env):
+        if k.startswith("SLURM_") and k != "SLURM_CONF" or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            del env[k]
+    env["MOESPEC_TEST_CLUSTER"] = str(tmp)  # marks every process of this cluster for cleanup
+    job_id = None
+
+    def start(cmd: list[str], what: str) -> None:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            pytest.skip(f"{what} would not start here: {(out.stderr or out.stdout).strip()[-800:]}")
+
+    try:
+        subprocess.run([find_tool("mungekey"), "--create", "--force", f"--keyfile={key}"], check=True,
+                       capture_output=True, timeout=60)
+        os.chmod(key, 0o400)
+        start([find_tool("munged"), "--force", f"--socket={munge_socket}", f"--key-file={key}",
+               f"--pid-file={tmp / 'munge' / 'munged.pid'}", f"--log-file={tmp / 'munge' / 'munged.log'}",
+               f"--seed-file={tmp / 'munge' / 'munged.seed'}"], "munged")
+        start([find_tool("slurmctld"), "-f", str(conf)], "slurmctld")
+        start([find_tool("slurmd"), "-f", str(conf), "-N", "localhost"], "slurmd")
+
+        deadline = time.monotonic() + 60
+        while True:  # the node registers with the controller
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
+            state = out.stdout.strip()
+            if out.returncode == 0 and state and state.rstrip("*") in ("idle", "mixed", "allocated"):
+                break
+            if time.monotonic() > deadline:
+                pytest.skip(f"slurm started but its node never came up (sinfo: {state!r} {out.stderr.strip()}); "
+                            f"slurmctld log: {tail(tmp / 'log' / 'slurmctld.log', 800)} "
+                            f"slurmd log: {tail(tmp / 'log' / 'slurmd.log', 800)}")
+            time.sleep(1)
+
+        port = free_port()
+        log_dir = tmp / "moespec-logs"
+        sbatch_args, submit_env = CASES[sbatch_file]
+        job_env = dict(env, MOESPEC_PORT=str(port), MOESPEC_LOG_DIR=str(log_dir), MASTER_PORT=str(free_port()),
+                       MOESPEC_HOME=str(ROOT), **submit_env)
+        sub = subprocess.run(["sbatch", "--parsable", f"--output={tmp / 'job-%j.out'}", *sbatch_args,
+                              str(SLURM_DIR / sbatch_file)],
+                             env=job_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
+        job_id = sub.stdout.strip().split(";")[0]
+
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 150
+        while True:  # the leader loads the checkpoint, joins rank 1, then serves
+            try:
+                status, _ = http_get(f"{base}/health", timeout=2)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=env,
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            logs = "\n".join(f"--- {p.name}\n{tail(p)}" for p in sorted(log_dir.glob("rank-*.log")))
+            if state in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                pytest.fail(f"job {job_id} ended ({state or 'gone'}) before serving:\n"
+                            f"{tail(tmp / f'job-{job_id}.out')}\n{logs}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {job_id} ({state}) did not serve /health within 150 s:\n"
+                            f"{tail(tmp / f'job-{job_id}.out')}\n{logs}")
+            time.sleep(1)
+
+        body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+        choice = answer["choices"][0]
+        assert choice["text"].strip(), answer
+        assert choice["finish_reason"] in ("length", "stop"), answer
+        assert "speculation" in answer["usage"], answer
+        assert answer["usage"]["completion_tokens"] > 0, answer
+
+        # the leader said where it serves, and each rank has its own log
+        ntasks = 1 if sbatch_file == "llama-draft.sbatch" else 2
+        assert sorted(p.name for p in log_dir.glob("rank-*.log")) == [f"rank-{i}.log" for i in range(ntasks)]
+        assert f"http://127.0.0.1:{port}/v1" in tail(log_dir / "rank-0.log", 100_000)
+        assert f"http://127.0.0.1:{port}/v1" in tail(tmp / f"job-{job_id}.out", 100_000)
+    finally:
+        if job_id is not None:
+            subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                left = subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True,
+                                      timeout=30).stdout.strip()
+                if not left:
+                    break
+                time.sleep(1)
+        stop_pidfile(tmp / "slurmd.pid")
+        stop_pidfile(tmp / "slurmctld.pid")
+        stop_pidfile(tmp / "munge" / "munged.pid")
+        kill_tree_processes(str(tmp))
