@@ -73,12 +73,31 @@ class TorchPagedAttention:
         else:
             q_pad = q.new_zeros(B * max_q, H, Dk)
             q_pad[self.out_index] = q
-        out = F.scaled_dot_product_attention(
-            q_pad.view(B, max_q, H, Dk).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
-            values.transpose(1, 2).to(q.dtype), attn_mask=self.mask, scale=scale, enable_gqa=True,
-        )  # [B, H, Qmax, Dv]
-        out = out.transpose(1, 2).reshape(B * max_q, H, v_dim)
+        q_pad = q_pad.view(B, max_q, H, Dk)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if keys.shape[2] == 1:  # MQA (the MLA latent cache): measured 1.5x faster than SDPA's masked path
+            out = self.attend(q_pad, keys, values, scale)
+        else:
+            out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=self.mask, scale=scale, enable_gqa=True).transpose(1, 2)
+        out = out.reshape(B * max_q, H, v_dim)
         return out if self.uniform else out[self.out_index]  # [T, H, Dv]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """Masked attention as two batched matmuls per KV head group: the G query heads sharing a
+        KV head fold into the query rows, so K/V are never expanded per head (MLA: one KV head).
+        q [B, Qmax, H, Dk], keys [B, L, Hk, Dk], values [B, L, Hk, Dv] -> [B, Qmax, H, Dv]."""
+        B, Q, H, Dk = q.shape
+        L, Hk, Dv = keys.shape[1], keys.shape[2], values.shape[3]
+        G = H // Hk
+        q_rows = q.view(B, Q, Hk, G, Dk).permute(0, 2, 1, 3, 4).reshape(B * Hk, Q * G, Dk)
+        k_rows = keys.permute(0, 2, 1, 3).reshape(B * Hk, L, Dk)
+        v_rows = values.permute(0, 2, 1, 3).reshape(B * Hk, L, Dv)
+        scores = torch.bmm(q_rows, k_rows.transpose(1, 2)) * scale  # [B*Hk, Q*G, L]
+        mask = self.mask[:, 0, None, :, None, :].expand(B, Hk, Q, G, L).reshape(B * Hk, Q * G, L)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out = torch.bmm(probs, v_rows).view(B, Hk, Q, G, Dv)
+        return out.permute(0, 2, 1, 3, 4).reshape(B, Q, H, Dv)
 
 
 class DenseCausalAttention:
