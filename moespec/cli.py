@@ -111,6 +111,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def run_standalone(prog: str, doc: str | None, add_arguments, run, argv: list[str] | None = None) -> None:
+    """Entry point of a command module run as `python -m moespec.training.X`: parse, log, run."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    run(parser.parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)

@@ -10,15 +10,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from moespec.config import build_config
 from moespec.engine import Engine
 from moespec.server import create_app
-from reference import randomize_routing
-from tiny_models import add_random_mtp_layer
+from tiny_models import save_tiny_deepseek
 
 API_KEY = "test-key"
 MODEL = "tiny-mtp"
@@ -27,18 +24,8 @@ GREEDY = dict(temperature=0.0, max_tokens=10, extra_body={"ignore_eos": True})
 
 
 def save_tiny_deepseek_mtp(path: Path, vocab_size: int) -> None:
-    """tiny_models.save_tiny_deepseek(mtp=True) with the project tokenizer's vocabulary."""
-    torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                              num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                              v_head_dim=16, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
-                              num_nextn_predict_layers=0)
-    model = DeepseekV3ForCausalLM(config).eval()
-    randomize_routing(model)
-    model.save_pretrained(path)
-    add_random_mtp_layer(path, config, model)
+    """A random tiny DeepSeek-V3 with an MTP layer over the project tokenizer's vocabulary."""
+    save_tiny_deepseek(path, mtp=True, vocab_size=vocab_size, layers=2)
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy(f, path / f.name)
 

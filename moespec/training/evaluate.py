@@ -204,11 +204,9 @@ def describe(result: EvalResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="moespec eval-head", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(parser.parse_args(argv))
+    from moespec.cli import run_standalone
+
+    run_standalone("moespec eval-head", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -388,11 +388,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="moespec train-model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(parser.parse_args(argv))
+    from moespec.cli import run_standalone
+
+    run_standalone("moespec train-model", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -217,11 +217,9 @@ def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, histor
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="moespec train-mtp-head", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(parser.parse_args(argv))
+    from moespec.cli import run_standalone
+
+    run_standalone("moespec train-mtp-head", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":
