@@ -28,10 +28,6 @@ class Batch:
     sample_indices: torch.Tensor  # [N] rows of T whose logits are sampled
     page_size: int
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
     def slot_mapping(self) -> torch.Tensor:
         """[T] cache row (page * S + offset) of every token."""
         request = torch.repeat_interleave(torch.arange(self.qo_indptr.numel() - 1, device=self.positions.device),
@@ -70,12 +66,8 @@ class Batch:
         return cls(mode=mode, page_size=page_size, **values)
 
 
-def build_batch(chunks: list[ScheduledChunk], page_size: int, mode: Mode | None = None) -> Batch:
+def build_batch(chunks: list[ScheduledChunk], page_size: int, mode: Mode) -> Batch:
     """Flatten scheduled chunks: tokens of one request contiguous, pages covering its KV so far."""
-    if mode is None:
-        decode = all(c.num_tokens == 1 and c.seq.output_ids for c in chunks)
-        prefill = not any(c.seq.output_ids and c.num_tokens == 1 for c in chunks)
-        mode = "decode" if decode else "prefill" if prefill else "mixed"
     spans = [Span(c.seq.pages, c.start, c.seq.token_at(c.start, c.end)) for c in chunks]
     sampled = [c.completes_prompt for c in chunks]
     return pack_spans(spans, page_size, mode, sampled)

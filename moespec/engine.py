@@ -45,11 +45,6 @@ class StepStats:
     decode_device_s: float = 0.0
     tokens: int = 0
 
-    @property
-    def decode_host_share(self) -> float:
-        total = self.decode_host_s + self.decode_device_s
-        return self.decode_host_s / total if total else 0.0
-
 
 @dataclass
 class SpecStats:
@@ -237,7 +232,7 @@ class Engine:
         num_spec = self.choose_num_spec(scheduled)
         if num_spec:
             return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec)
-        batch = build_batch(scheduled.chunks, self.allocator.page_size)
+        batch = build_batch(scheduled.chunks, self.allocator.page_size, scheduled.mode)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
         ctx = self.runner.plan(batch)

@@ -29,6 +29,11 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """The single pending token of a request that already has outputs."""
+        return self.num_tokens == 1 and bool(self.seq.output_ids) and self.completes_prompt
+
+    @property
     def completes_prompt(self) -> bool:
         """This chunk reaches the last known token: its last position gets sampled."""
         return self.end == self.seq.num_tokens
@@ -40,12 +45,13 @@ class SchedulerOutput:
     preempted: list[Sequence]
 
     @property
-    def is_decode_only(self) -> bool:
-        return bool(self.chunks) and all(c.num_tokens == 1 and c.start > 0 and c.seq.output_ids for c in self.chunks)
+    def mode(self) -> str:
+        decode = sum(c.is_decode for c in self.chunks)
+        return "decode" if decode == len(self.chunks) else "prefill" if decode == 0 else "mixed"
 
     @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def is_decode_only(self) -> bool:
+        return bool(self.chunks) and self.mode == "decode"
 
 
 class Scheduler:

@@ -84,10 +84,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     def token_at(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 of prompt + outputs, without concatenating the two
+        (a decode step asks for one token of each running request)."""
         n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.prompt_ids[start:end] + self.output_ids[: max(end - n, 0)]
 
     @property
     def is_finished(self) -> bool:
