@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import moespec
 from moespec.engine import Engine
 from moespec.sampling import SamplingParams
-from moespec.server.engine_loop import EngineFailed, EngineLoop, Overloaded, Prompt, RequestHandle
+from moespec.server.engine_loop import Delta, EngineFailed, EngineLoop, Overloaded, Prompt, RequestHandle
 from moespec.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from moespec.server.metrics import ServerMetrics
 from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -205,38 +205,43 @@ class AbortOnCloseResponse(StreamingResponse):
 
 async def stream_completion(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
                             include_usage: bool, n: int) -> AsyncIterator[str]:
-    usage = UsageTotals.for_request(handle, n)
     offsets = [0] * len(handle.request_ids)
-    try:
-        async for delta in handle.deltas():
-            usage.add(delta)
-            logprobs = None
-            if want_logprobs:
-                logprobs = completion_logprobs(delta.logprobs, server.names, offsets[delta.index])
-                offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
-            choice = {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-            yield sse({**header, "choices": [choice]})
-    except EngineFailed as e:
-        yield sse(error_body(500, str(e)))
-    if include_usage:
-        yield sse({**header, "choices": [], "usage": usage.as_dict()})
-    yield SSE_DONE
+
+    def choice(delta: Delta) -> dict:
+        logprobs = None
+        if want_logprobs:
+            logprobs = completion_logprobs(delta.logprobs, server.names, offsets[delta.index])
+            offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+    async for event in stream_choices(handle, header, include_usage, n, choice, first=[]):
+        yield event
 
 
 async def stream_chat(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
                       include_usage: bool, n: int) -> AsyncIterator[str]:
+    def choice(delta: Delta) -> dict:
+        logprobs = chat_logprobs(delta.logprobs, server.names) if want_logprobs else None
+        return {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+
+    roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(len(handle.request_ids))]
+    async for event in stream_choices(handle, header, include_usage, n, choice, first=roles):
+        yield event
+
+
+async def stream_choices(handle: RequestHandle, header: dict, include_usage: bool, n: int,
+                         choice: Callable[[Delta], dict], first: list[dict]) -> AsyncIterator[str]:
+    """SSE events of one request: `first` choices, one event per delta, usage if asked, [DONE]."""
     usage = UsageTotals.for_request(handle, n)
-    for index in range(len(handle.request_ids)):
-        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse({**header, "choices": [role]})
+    for opening in first:
+        yield sse({**header, "choices": [opening]})
     try:
         async for delta in handle.deltas():
             usage.add(delta)
-            logprobs = chat_logprobs(delta.logprobs, server.names) if want_logprobs else None
-            choice = {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
-            yield sse({**header, "choices": [choice]})
+            yield sse({**header, "choices": [choice(delta)]})
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     if include_usage:
