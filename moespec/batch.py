@@ -28,6 +28,10 @@ class Batch:
     sample_indices: torch.Tensor  # [N] rows of T whose logits are sampled
     page_size: int
 
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
     def slot_mapping(self) -> torch.Tensor:
         """[T] cache row (page * S + offset) of every token."""
         request = torch.repeat_interleave(torch.arange(self.qo_indptr.numel() - 1, device=self.positions.device),
