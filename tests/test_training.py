@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from moespec.attention import DenseCausalAttention, ForwardContext
 from moespec.models import load_model
@@ -115,6 +116,12 @@ def test_checkpoint_reloads_with_our_loader(fixture, request):
     if expected_mtp is not None:
         assert ours_mtp is not None
         torch.testing.assert_close(ours_mtp, expected_mtp, atol=1e-4, rtol=1e-4)
+        # the MTP layer in the released naming; its embedding and head are the target's, not stored twice
+        names = set(safe_open(str(trainer.out / "model.safetensors"), "pt").keys())
+        L = loaded.config.num_hidden_layers
+        assert {f"model.layers.{L}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")} <= names
+        assert f"model.layers.{L}.embed_tokens.weight" not in names
+        assert loaded.mtp_embeds[0] is loaded.model.embed_tokens and loaded.mtp_heads[0] is loaded.lm_head
     config = json.loads((trainer.out / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["eos_token_id"] == 1
 
@@ -181,3 +188,14 @@ def test_paged_eval_matches_dense_forward(trained_deepseek):
     _, logits = target_forward(runner, windows)
     assert prefill_batch(windows).num_tokens == windows.numel()
     torch.testing.assert_close(logits[1], dense_logits(model, windows[1])[0], atol=1e-4, rtol=1e-4)
+
+
+def test_draft_agreement_through_the_inference_code(trained_llama, trained_deepseek):
+    """A draft model's agreement is its greedy token against the target's at the same position."""
+    target = load_model(trained_deepseek.out, show_progress=False)
+    draft = load_model(trained_llama.out, show_progress=False)
+    windows = trained_deepseek.heldout[:2, :40]
+    assert evaluate(target, windows, draft=target, batch_size=2).draft_agreement == 1.0
+    expected = torch.cat([(dense_logits(draft, w)[0][:-1].argmax(-1) == dense_logits(target, w)[0][:-1].argmax(-1))
+                          for w in windows]).float().mean().item()
+    assert evaluate(target, windows, draft=draft, batch_size=2).draft_agreement == pytest.approx(expected, abs=0.02)

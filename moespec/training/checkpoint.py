@@ -44,7 +44,9 @@ def hf_config(preset: dict) -> dict:
 
 def export_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Our parameter names -> the released checkpoint names (experts split per expert, MTP layers
-    at model.layers.{L+i} with their own copies of embed_tokens and shared_head.head)."""
+    at model.layers.{L+i}). An MTP layer's embed_tokens / shared_head.head are written only when
+    they differ from the target's: shared ones (as after joint training) would be 4 MB of
+    duplicates here, and the loader shares the target's tensors when the copies are absent."""
     config = model.config
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
@@ -54,8 +56,10 @@ def export_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             tensors[rename_mtp(out_name, config.num_hidden_layers)] = part
     for index in range(getattr(model, "num_mtp_layers", 0)):
         prefix = f"model.layers.{config.num_hidden_layers + index}."
-        tensors[prefix + "embed_tokens.weight"] = model.mtp_embeds[index].weight.detach()
-        tensors[prefix + "shared_head.head.weight"] = model.mtp_heads[index].weight.detach()
+        if model.mtp_embeds[index] is not model.model.embed_tokens:
+            tensors[prefix + "embed_tokens.weight"] = model.mtp_embeds[index].weight.detach()
+        if model.mtp_heads[index] is not model.lm_head:
+            tensors[prefix + "shared_head.head.weight"] = model.mtp_heads[index].weight.detach()
     return {name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in tensors.items()}
 
 

@@ -2,11 +2,14 @@
 KV cache (`TorchPagedAttention`), the head (or DeepSeek's built-in MTP layer) through
 `forward_mtp` over its own paged cache, all on models as `load_model` / `load_mtp_head` build them.
 
-Command: `moespec eval-head --target DIR [--head DIR | --builtin-mtp] [--windows N] [--engine-prompts N] [--json]`.
+Command: `moespec eval-head --target DIR [--head DIR | --builtin-mtp | --draft DIR] [--windows N]
+[--engine-prompts N] [--json]`.
 
 Metrics on held-out windows: the target's mean next-token loss and accuracy, and the head's top-1
 agreement with the target's greedy next-next token (head at position i, fed the text's token
-i+1 and the target's hidden at i, against argmax of the target's logits at i+1).
+i+1 and the target's hidden at i, against argmax of the target's logits at i+1). A draft model's
+agreement is its argmax at position i against the target's argmax at i (both read the text up
+to i).
 
 Shapes legend: N windows, W window length, T = N*W tokens, M hidden, V vocab.
 """
@@ -43,6 +46,7 @@ class EvalResult:
     target_accuracy: float
     head_agreement: float | None = None
     head_tokens: int = 0
+    draft_agreement: float | None = None  # a separate draft model's top-1 agreement with the target
     transformers_max_diff: float | None = None  # max |logit difference| vs transformers, when checked
     engine_accept_length: float | None = None  # measured by the engine speculating greedily
     engine_acceptance_by_position: list[float] | None = None
@@ -89,10 +93,13 @@ def mtp_forward(drafter: nn.Module, windows: torch.Tensor, hidden: torch.Tensor)
 
 
 def evaluate(target: nn.Module, windows: torch.Tensor, drafter: nn.Module | None = None,
-             batch_size: int = 4) -> EvalResult:
-    """Held-out windows [N, W]: target loss/accuracy and, with a drafter, its top-1 agreement."""
+             batch_size: int = 4, draft: nn.Module | None = None) -> EvalResult:
+    """Held-out windows [N, W]: target loss/accuracy and, with a drafter (MTP head or layer) or a
+    draft model, its top-1 agreement with the target's greedy tokens."""
     runner = ModelRunner(target, num_pages_for(batch_size, windows.shape[1]), PAGE_SIZE)
-    loss_sum, correct, agree, head_count = 0.0, 0, 0, 0
+    draft_runner = (ModelRunner(draft, num_pages_for(batch_size, windows.shape[1]), PAGE_SIZE)
+                    if draft is not None else None)
+    loss_sum, correct, agree, head_count, draft_agree = 0.0, 0, 0, 0, 0
     for start in range(0, len(windows), batch_size):
         rows = windows[start:start + batch_size]  # [n, W]
         hidden, logits = target_forward(runner, rows)
@@ -104,9 +111,13 @@ def evaluate(target: nn.Module, windows: torch.Tensor, drafter: nn.Module | None
             head_logits = mtp_forward(drafter, rows, hidden)  # [n, W-1, V]
             agree += int((head_logits.argmax(-1) == logits[:, 1:].argmax(-1)).sum())
             head_count += head_logits.shape[0] * head_logits.shape[1]
+        if draft_runner is not None:
+            _, draft_logits = target_forward(draft_runner, rows)  # [n, W, V]
+            draft_agree += int((draft_logits[:, :-1].argmax(-1) == logits[:, :-1].argmax(-1)).sum())
     tokens = windows.shape[0] * (windows.shape[1] - 1)
     return EvalResult(tokens, loss_sum / tokens, correct / tokens,
-                      agree / head_count if drafter is not None else None, head_count)
+                      agree / head_count if drafter is not None else None, head_count,
+                      draft_agreement=draft_agree / tokens if draft is not None else None)
 
 
 @torch.inference_mode()
@@ -145,6 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=Path, help="target model directory")
     parser.add_argument("--head", type=Path, default=None, help="MTP head directory (model_type mtp_head)")
     parser.add_argument("--builtin-mtp", action="store_true", help="evaluate the target's own MTP layer")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model directory (draft-target speculation)")
     parser.add_argument("--windows", type=int, default=48, help="held-out windows to evaluate")
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
@@ -162,11 +174,12 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     target = load_model(args.target, show_progress=False)
     drafter = load_drafter(target, args.head, args.builtin_mtp)
+    draft = load_model(args.draft, show_progress=False) if args.draft is not None else None
     windows = load_heldout(args.windows, args.window_len, args.tokenizer, args.max_bytes)
-    result = evaluate(target, windows, drafter)
+    result = evaluate(target, windows, drafter, draft=draft)
     if args.check_transformers:
         result.transformers_max_diff = compare_with_transformers(args.target, windows[0])
-    if args.engine_prompts and drafter is not None:
+    if args.engine_prompts and (drafter is not None or draft is not None):
         measure_engine_acceptance(result, args, windows[: args.engine_prompts, :64].tolist())
     if args.json:
         print(json.dumps(asdict(result)))
@@ -175,14 +188,17 @@ def run(args: argparse.Namespace) -> None:
 
 
 def measure_engine_acceptance(result: EvalResult, args: argparse.Namespace, prompts: list[list[int]]) -> None:
-    """Greedy generation with MTP speculation through the engine: accept length and per-position
-    acceptance as the serving path sees them."""
+    """Greedy generation with MTP (or draft-model) speculation through the engine: accept length
+    and per-position acceptance as the serving path sees them."""
     from moespec.llm import LLM
     from moespec.sampling import SamplingParams
 
-    speculation = {"mode": "mtp", "num_speculative_tokens": args.num_speculative_tokens, "adaptive": False}
+    mode = "draft" if args.draft is not None else "mtp"
+    speculation = {"mode": mode, "num_speculative_tokens": args.num_speculative_tokens, "adaptive": False}
     if args.head is not None:
         speculation["mtp_head"] = str(args.head)
+    if args.draft is not None:
+        speculation["draft_model"] = str(args.draft)
     llm = LLM(model=str(args.target), speculation=speculation, page_size=PAGE_SIZE, num_kv_pages=4096)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.spec_stats
@@ -195,6 +211,8 @@ def describe(result: EvalResult) -> str:
             f"next-token accuracy {result.target_accuracy:.1%}")
     if result.head_agreement is not None:
         text += f"; head top-1 agreement {result.head_agreement:.1%} over {result.head_tokens} positions"
+    if result.draft_agreement is not None:
+        text += f"; draft top-1 agreement {result.draft_agreement:.1%}"
     if result.transformers_max_diff is not None:
         text += f"; transformers reload max |logit diff| {result.transformers_max_diff:.2e}"
     if result.engine_accept_length is not None:
