@@ -20,14 +20,14 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     cfg.write_text(f"model:\n  path: {model}\ndraft:\n  model: {model}\ncache:\n  page_size: 8\n  num_kv_pages: 256\n")
     out = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
-                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "1",
+                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "1", "--num-prompts", "3",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"none", "draft:2"}
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
-        assert all(r["tok_s"] > 0 and r["tokens"] == r["batch"] * 6 for r in rows)
+        assert all(r["tok_s"] > 0 and r["tokens"] == 3 * 6 for r in rows)  # 3 prompts in batches of 1 or 2
     draft = report["results"]["draft:2"]
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)

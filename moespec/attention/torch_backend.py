@@ -18,6 +18,9 @@ class TorchPagedAttention:
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Host-side index building, once per batch; every layer reuses it."""
+        one_query_each = meta.positions.numel() == meta.num_requests and bool((meta.q_lens() == 1).all())
+        if one_query_each and meta.custom_mask is None:
+            return self.plan_decode(meta)
         device = meta.positions.device
         S = meta.page_size
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
@@ -44,6 +47,19 @@ class TorchPagedAttention:
         self.mask = mask[:, None]  # [B, 1, Qmax, L]
         self.shape = (B, max_q)
         self.uniform = bool((q_lens == max_q).all())  # decode / equal-length verify: no padding needed
+
+    def plan_decode(self, meta: AttentionMetadata) -> None:
+        """One query per request at its last KV position (decode, draft steps): the query sees
+        every valid slot, so no causal mask or padding is built; a single request needs no mask."""
+        S, B = meta.page_size, meta.num_requests
+        kv_lens = meta.kv_lens()  # [B]
+        self.slots = meta.kv_indices[meta.kv_indptr[:-1] + meta.positions // S] * S + meta.positions % S  # [B]
+        kv_pos = torch.arange(int(kv_lens.max()), device=meta.positions.device)  # [L]
+        kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
+        page_index = (meta.kv_indptr[:-1, None] + kv_pos[None, :] // S).clamp(max=meta.kv_indices.numel() - 1)
+        self.kv_slots = torch.where(kv_valid, meta.kv_indices[page_index] * S + kv_pos % S, 0)  # [B, L]
+        self.mask = None if B == 1 else kv_valid[:, None, None, :]  # [B, 1, 1, L]
+        self.shape, self.uniform = (B, 1), True
 
     @staticmethod
     def apply_custom_mask(mask: torch.Tensor, meta: AttentionMetadata, q_lens: torch.Tensor,
@@ -94,8 +110,10 @@ class TorchPagedAttention:
         k_rows = keys.permute(0, 2, 1, 3).reshape(B * Hk, L, Dk)
         v_rows = values.permute(0, 2, 1, 3).reshape(B * Hk, L, Dv)
         scores = torch.bmm(q_rows, k_rows.transpose(1, 2)) * scale  # [B*Hk, Q*G, L]
-        mask = self.mask[:, 0, None, :, None, :].expand(B, Hk, Q, G, L).reshape(B * Hk, Q * G, L)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        if self.mask is not None:
+            mask = self.mask[:, 0, None, :, None, :].expand(B, Hk, Q, G, L).reshape(B * Hk, Q * G, L)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1)
         out = torch.bmm(probs, v_rows).view(B, Hk, Q, G, Dv)
         return out.permute(0, 2, 1, 3, 4).reshape(B, Q, H, Dv)
 

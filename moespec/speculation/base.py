@@ -68,9 +68,19 @@ class DraftRows:
         self.eos_ids, self.shared_generator = eos_ids, shared_generator
         self.needs_values = any(s.params.repetition_penalty != 1 or s.params.frequency_penalty
                                 or s.params.presence_penalty for s in seqs)
+        # without penalties and past min_tokens, the drafts so far do not change a draft row
+        self.drafts_matter = self.needs_values or any(len(s.output_ids) < s.params.min_tokens for s in seqs)
+        self.draft_rows: SamplingBatch | None = None
 
     def batch(self, drafts: list[torch.Tensor], repeat: int = 1) -> SamplingBatch:
         """Rows for each sequence (repeated `repeat` times) with drafts[:j] appended for row j."""
+        if repeat == 1 and not self.drafts_matter:
+            if self.draft_rows is None:
+                self.draft_rows = self.build(drafts, repeat)
+            return self.draft_rows
+        return self.build(drafts, repeat)
+
+    def build(self, drafts: list[torch.Tensor], repeat: int) -> SamplingBatch:
         values = torch.stack(drafts, 1).tolist() if drafts and self.needs_values else None
         params, prompts, outputs, generators = [], [], [], []
         for b, seq in enumerate(self.seqs):
