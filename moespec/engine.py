@@ -212,7 +212,7 @@ class Engine:
         outputs = self.postprocess(prepared, result)
         host_s = prepared.host_s + time.perf_counter() - start
         self.record(prepared, host_s, device_s)
-        if prepared.scheduled.is_decode_only and self.speculator.max_tokens:
+        if prepared.batch.mode == "decode" and self.speculator.max_tokens:  # a plain decode step, measured
             self.policy.record(len(prepared.sampled), 0, 1.0, host_s + device_s)
         return outputs
 
@@ -288,7 +288,8 @@ class Engine:
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
-        self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
+        if proposal.steady:  # a catch-up step is not what speculating costs from now on
+            self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
         return EngineOutputs(list(seqs))
 
     @staticmethod

@@ -5,8 +5,10 @@ speculation off). With `adaptive: true` the engine also measures, per batch-size
 the tokens each request gains per step and the step's wall time, for the table's k and for
 k = 0, and uses whichever gives more tokens per second, re-measuring the other now and
 then: when verification stops paying (large batches, low acceptance) the step falls back to
-plain decoding. A re-measurement costs a slow step (the draft catches up on what it skipped),
-so its interval doubles, from `explore_every` up to 16x, each time the loser stays the loser.
+plain decoding. Only steady steps are measured: a speculative step in which the draft first
+catches up on tokens it skipped (after a prefill, or after plain steps) costs more than the
+steady state and is not recorded, so a re-measurement runs `explore_steps` steps in a row.
+Its interval doubles, from `explore_every` up to 16x, each time the loser stays the loser.
 """
 from __future__ import annotations
 
@@ -34,11 +36,11 @@ class Measure:
 
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
-                 explore_every: int = 32) -> None:
+                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2) -> None:
         self.max_tokens = max_tokens
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
-        self.explore_every = explore_every
+        self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
         self.measures: dict[tuple[int, int], Measure] = {}
         self.steps: dict[int, int] = {}
         self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
@@ -64,19 +66,22 @@ class SpeculationPolicy:
         step = self.steps.get(bucket, 0)
         self.steps[bucket] = step + 1
         spec, plain = self.measures.get((bucket, k)), self.measures.get((bucket, 0))
-        if spec is None or spec.count < 2:
+        if spec is None or spec.count < self.min_samples:
             return k
-        if plain is None or plain.count < 2:
+        if plain is None or plain.count < self.min_samples:
             return 0
         best, other = (k, 0) if spec.rate >= plain.rate else (0, k)
         if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
             self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
             self.next_explore[bucket] = step + self.explore_every
-        if step < self.next_explore[bucket]:
+        explore_from = self.next_explore[bucket]
+        if step < explore_from:
             return best
+        if step < explore_from + self.explore_steps:
+            return other
         interval = min(2 * self.intervals[bucket], 16 * self.explore_every)
         self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
-        return other
+        return best
 
     def record(self, batch_size: int, k: int, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:

@@ -3,7 +3,8 @@ server never branch on the mode.
 
 Life of a decode step with speculation (see Engine.run_speculative):
   propose(seqs, k)      catch the draft up on tokens it has not seen, then draft k tokens
-                        per request from the carried state -> Proposal (tokens + full q)
+                        per request from the carried state -> Proposal (tokens + full q,
+                        and whether the step was steady: no catch-up beyond the last verify)
   target verifies       1+k tokens per request in one forward; the engine calls
   observe(batch, hidden) after every target forward (MTP keeps the target's hidden states)
   accept(...)           right after verification, tensors only (MTP re-runs over the verify
@@ -28,6 +29,7 @@ from moespec.sequence import Sequence
 class Proposal:
     tokens: torch.Tensor  # [B, K] drafted tokens
     probs: torch.Tensor  # [B, K, V] the full draft distributions they were sampled from
+    steady: bool = True  # False when the draft first caught up on skipped tokens (a costlier step)
 
 
 class Speculator:

@@ -33,6 +33,7 @@ class DraftModelSpeculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int, rows: DraftRows) -> Proposal:
+        unseen = max(s.num_tokens - self.computed.get(s.request_id, 0) for s in seqs)
         logits = self.catch_up(seqs)  # [B, V] predicts each request's next token
         drafts, probs = [], []
         for j in range(k):
@@ -41,7 +42,8 @@ class DraftModelSpeculator(Speculator):
             probs.append(p)
             if j + 1 < k:
                 logits = self.step(seqs, token, j)
-        return Proposal(torch.stack(drafts, 1), torch.stack(probs, 1))
+        # after a verify step the draft has 1 unseen token, or 2 when all k were accepted
+        return Proposal(torch.stack(drafts, 1), torch.stack(probs, 1), steady=unseen <= 2)
 
     def catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Draft forward over each request's unseen tokens; logits at each last one [B, V]."""

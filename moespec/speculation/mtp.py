@@ -60,7 +60,7 @@ class MTPSpeculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int, rows: DraftRows) -> Proposal:
-        self.catch_up(seqs)
+        steady = not self.catch_up(seqs)
         states = [self.state(s) for s in seqs]
         logits = gather_rows([st.logits for st in states])  # [B, V]
         hidden = gather_rows([st.hidden for st in states])  # [B, M]
@@ -71,7 +71,7 @@ class MTPSpeculator(Speculator):
             probs.append(p)
             if j + 1 < k:  # chain: feed the MTP layer its own hidden state at the next position
                 logits, hidden = self.chain_step(seqs, token, hidden, j)
-        return Proposal(torch.stack(drafts, 1), torch.stack(probs, 1))
+        return Proposal(torch.stack(drafts, 1), torch.stack(probs, 1), steady=steady)
 
     def chain_step(self, seqs: list[Sequence], token: torch.Tensor, hidden: torch.Tensor,
                    j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +79,9 @@ class MTPSpeculator(Speculator):
         batch = pack_spans(spans, self.page_size, "draft_extend")
         return self.run(batch, token, hidden)
 
-    def catch_up(self, seqs: list[Sequence]) -> None:
-        """MTP over positions [computed, m-1) from the kept target hidden states; m = num_tokens."""
+    def catch_up(self, seqs: list[Sequence]) -> int:
+        """MTP over positions [computed, m-1) from the kept target hidden states; m = num_tokens.
+        Returns how many requests had to catch up (none in steady speculation)."""
         spans, lagging = [], []
         for seq in seqs:
             state = self.state(seq)
@@ -91,12 +92,13 @@ class MTPSpeculator(Speculator):
             spans.append(Span(seq.pages, start, seq.token_at(start + 1, end + 1)))
             lagging.append(seq)
         if not spans:
-            return
+            return 0
         batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans))
         hidden = self.hidden_cache[batch.slot_mapping()]
         logits, out = self.run(batch, batch.input_ids, hidden, rows=batch.sample_indices)
         for row, seq in enumerate(lagging):
             self.states[seq.request_id] = MTPState(seq.num_tokens - 1, logits[row], out[row])
+        return len(lagging)
 
     def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
             rows: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
