@@ -52,13 +52,13 @@ class DraftModelSpeculator(Speculator):
             start = min(self.computed.get(seq.request_id, 0), seq.num_tokens - 1)
             spans.append(Span(seq.pages, start, seq.token_at(start, seq.num_tokens)))
             self.computed[seq.request_id] = seq.num_tokens
-        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans))
+        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans)).to(self.runner.device)
         return self.runner.forward(batch, self.runner.plan(batch))[1]
 
     def step(self, seqs: list[Sequence], token: torch.Tensor, j: int) -> torch.Tensor:
         """Run the draft on draft token j+1 (position m + j) -> logits for the next [B, V]."""
         spans = [Span(s.pages, s.num_tokens + j, [0]) for s in seqs]
-        batch = pack_spans(spans, self.page_size, "draft_extend")
+        batch = pack_spans(spans, self.page_size, "draft_extend").to(self.runner.device)
         batch.input_ids = token
         return self.runner.forward(batch, self.runner.plan(batch))[1]
 

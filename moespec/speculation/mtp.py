@@ -76,7 +76,7 @@ class MTPSpeculator(Speculator):
     def chain_step(self, seqs: list[Sequence], token: torch.Tensor, hidden: torch.Tensor,
                    j: int) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [Span(s.pages, s.num_tokens - 1 + j, [0]) for s in seqs]
-        batch = pack_spans(spans, self.page_size, "draft_extend")
+        batch = pack_spans(spans, self.page_size, "draft_extend").to(token.device)
         return self.run(batch, token, hidden)
 
     def catch_up(self, seqs: list[Sequence]) -> int:
@@ -94,6 +94,7 @@ class MTPSpeculator(Speculator):
         if not spans:
             return 0
         batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans))
+        batch = batch.to(self.hidden_cache.device)
         hidden = self.hidden_cache[batch.slot_mapping()]
         logits, out = self.run(batch, batch.input_ids, hidden, rows=batch.sample_indices)
         for row, seq in enumerate(lagging):
