@@ -7,9 +7,8 @@ A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the conf
 are held-out windows of the corpus: at batch size b, max(b, --num-prompts) prompts run as
 consecutive batches of b, so a small batch still covers several texts. For each batch size the
 modes run interleaved, `repeats` times, and the fastest run of each is kept (this machine is
-noisy). Reported per mode and
-batch size: output tokens/s, speedup over `none`, mean TTFT and TPOT, accept length and
-per-position acceptance. With --hf-assisted, transformers' plain and assisted `generate`
+noisy). Reported per mode and batch size: output tokens/s, speedup over `none`, mean TTFT and
+TPOT, accept length and per-position acceptance. With --hf-assisted, transformers' plain and assisted `generate`
 (same target and draft) run at batch 1 in the same process for comparison.
 """
 from __future__ import annotations
@@ -176,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-")
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
-              "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "adaptive": args.adaptive, "results": results}
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "adaptive": args.adaptive,
+              "results": results}
     if args.hf_assisted:
         hf = time_hf(base, prompts[:args.num_prompts], args.max_tokens)
         ours_b1 = {label: rows[0]["tok_s"] for label, rows in results.items() if rows and rows[0]["batch"] == 1}
