@@ -29,11 +29,8 @@ class TorchPagedAttention:
         page_pos = meta.kv_indptr[request_of_token] + meta.positions // S
         self.slots = meta.kv_indices[page_pos] * S + meta.positions % S  # [T] cache rows written
 
-        max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
-        kv_pos = torch.arange(max_kv, device=device)  # [L]
-        kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
-        page_index = (meta.kv_indptr[:-1, None] + kv_pos[None, :] // S).clamp(max=meta.kv_indices.numel() - 1)
-        self.kv_slots = torch.where(kv_valid, meta.kv_indices[page_index] * S + kv_pos % S, 0)  # [B, L]
+        max_q = int(q_lens.max())
+        kv_pos, kv_valid = self.plan_kv_slots(meta, kv_lens)
 
         q_offset = torch.arange(meta.positions.numel(), device=device) - meta.qo_indptr[request_of_token]
         self.out_index = request_of_token * max_q + q_offset  # [T] row in the padded [B*Qmax] layout
@@ -52,14 +49,20 @@ class TorchPagedAttention:
         """One query per request at its last KV position (decode, draft steps): the query sees
         every valid slot, so no causal mask or padding is built; a single request needs no mask."""
         S, B = meta.page_size, meta.num_requests
-        kv_lens = meta.kv_lens()  # [B]
         self.slots = meta.kv_indices[meta.kv_indptr[:-1] + meta.positions // S] * S + meta.positions % S  # [B]
+        _, kv_valid = self.plan_kv_slots(meta, meta.kv_lens())
+        self.mask = None if B == 1 else kv_valid[:, None, None, :]  # [B, 1, 1, L]
+        self.shape, self.uniform = (B, 1), True
+
+    def plan_kv_slots(self, meta: AttentionMetadata, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache row of every KV position each request reads (0 past its length) -> (positions [L],
+        valid [B, L]); L is the longest KV length."""
+        S = meta.page_size
         kv_pos = torch.arange(int(kv_lens.max()), device=meta.positions.device)  # [L]
         kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
         page_index = (meta.kv_indptr[:-1, None] + kv_pos[None, :] // S).clamp(max=meta.kv_indices.numel() - 1)
         self.kv_slots = torch.where(kv_valid, meta.kv_indices[page_index] * S + kv_pos % S, 0)  # [B, L]
-        self.mask = None if B == 1 else kv_valid[:, None, None, :]  # [B, 1, 1, L]
-        self.shape, self.uniform = (B, 1), True
+        return kv_pos, kv_valid
 
     @staticmethod
     def apply_custom_mask(mask: torch.Tensor, meta: AttentionMetadata, q_lens: torch.Tensor,
