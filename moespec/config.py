@@ -48,6 +48,7 @@ class SpeculationSection:
     relaxed_top_n: int = 3
     relaxed_delta: float = 0.5
     adaptive: bool = True
+    adaptive_margin: float = 0.05  # adaptive: speculate only when measured this much faster than plain
     # batch size -> speculative tokens; the largest key <= batch size applies; 0 turns speculation off
     schedule: dict | None = None
 
@@ -100,6 +101,8 @@ class EngineConfig:
         check_positive(self.parallel.ep_size, "parallel.ep_size")
         if self.speculation.mode != "none":
             check_positive(self.speculation.num_speculative_tokens, "speculation.num_speculative_tokens")
+        if not self.speculation.adaptive_margin >= 0:
+            raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
         if self.model.max_model_len is not None:
             check_positive(self.model.max_model_len, "model.max_model_len")
 

@@ -115,7 +115,7 @@ class Engine:
         if ranks is not None:
             self.attach_ranks(ranks)
         self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
-                                        c.speculation.adaptive)
+                                        c.speculation.adaptive, margin=c.speculation.adaptive_margin)
         self.spec_stats = SpecStats()
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(c.model.seed)

@@ -20,7 +20,7 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     cfg.write_text(f"model:\n  path: {model}\ndraft:\n  model: {model}\ncache:\n  page_size: 8\n  num_kv_pages: 256\n")
     out = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
-                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "1", "--num-prompts", "3",
+                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "2", "--num-prompts", "3",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -28,6 +28,11 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
         assert all(r["tok_s"] > 0 and r["tokens"] == 3 * 6 for r in rows)  # 3 prompts in batches of 1 or 2
+        assert all(len(r["tok_s_runs"]) == 2 and max(r["tok_s_runs"]) == r["tok_s"] for r in rows)
+    for none, draft in zip(report["results"]["none"], report["results"]["draft:2"]):
+        assert none["speedup"] == 1.0  # the median of per-repeat ratios to itself
+        ratios = [d / n for d, n in zip(draft["tok_s_runs"], none["tok_s_runs"])]
+        assert draft["speedup_runs"] == ratios and draft["speedup"] == sum(ratios) / 2
     draft = report["results"]["draft:2"]
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)

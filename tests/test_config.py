@@ -35,6 +35,7 @@ def test_overrides_and_frozen():
     ({"model": {"path": "m"}}, {"speculation": {"mode": "eagle7"}}, "speculation.mode: 'eagle7' is not allowed"),
     ({"model": {"path": "m"}}, {"speculation": {"mode": "draft"}}, "needs speculation.draft_model"),
     ({"model": {"path": "m"}}, {"pages": 3}, "unknown option 'pages'"),
+    ({"model": {"path": "m"}}, {"speculation.adaptive_margin": -0.1}, "speculation.adaptive_margin must be >= 0"),
     ({}, {}, "model.path is required"),
 ])
 def test_bad_config_names_the_key(raw, overrides, message):

@@ -238,6 +238,17 @@ def test_policy_falls_back_to_plain_decoding_when_speculation_does_not_pay():
     # a re-measurement speculates several steps in a row: its first step may be a catch-up
     first = choices.index(2)
     assert choices[first:first + policy.explore_steps] == [2] * policy.explore_steps
+    # batch 32: speculation 3% faster, within the 5% margin -> plain decoding
+    for _ in range(3):
+        policy.record(32, 2, 1.03, 0.010)
+        policy.record(32, 0, 1.0, 0.010)
+    assert [policy.choose(32) for _ in range(20)].count(0) >= 16
+    # without a margin the same measurements pick speculation
+    eager = SpeculationPolicy(3, schedule={1: 3, 8: 2, 64: 0}, adaptive=True, explore_every=10, margin=0.0)
+    for _ in range(3):
+        eager.record(32, 2, 1.03, 0.010)
+        eager.record(32, 0, 1.0, 0.010)
+    assert [eager.choose(32) for _ in range(20)].count(2) >= 16
 
 
 @pytest.mark.parametrize("mode", ["mtp", "draft"])

@@ -5,7 +5,9 @@ speculation off). With `adaptive: true` the engine also measures, per batch-size
 the tokens each request gains per step and the step's wall time, for the table's k and for
 k = 0, and uses whichever gives more tokens per second, re-measuring the other now and
 then: when verification stops paying (large batches, low acceptance) the step falls back to
-plain decoding. Only steady steps are measured: a speculative step in which the draft first
+plain decoding. Speculation must win by `margin` (5% by default): within it the two are
+equal as far as a noisy step-time measurement can tell, and plain decoding has no catch-up
+steps and no tail of requests finishing at different steps, which these measurements miss. Only steady steps are measured: a speculative step in which the draft first
 catches up on tokens it skipped (after a prefill, or after plain steps) costs more than the
 steady state and is not recorded, so a re-measurement runs `explore_steps` steps in a row.
 Its interval doubles, from `explore_every` up to 16x, each time the loser stays the loser.
@@ -36,8 +38,9 @@ class Measure:
 
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
-                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2) -> None:
+                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05) -> None:
         self.max_tokens = max_tokens
+        self.margin = margin
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
@@ -70,7 +73,7 @@ class SpeculationPolicy:
             return k
         if plain is None or plain.count < self.min_samples:
             return 0
-        best, other = (k, 0) if spec.rate >= plain.rate else (0, k)
+        best, other = (k, 0) if spec.rate > (1 + self.margin) * plain.rate else (0, k)
         if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
             self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
             self.next_explore[bucket] = step + self.explore_every
