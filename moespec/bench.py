@@ -4,12 +4,16 @@
       --batch-sizes 1,4,16 --out results.json [--plot results.png] [--hf-assisted]
 
 A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the config). Prompts
-are held-out windows of the corpus: at batch size b, max(b, --num-prompts) prompts run as
-consecutive batches of b, so a small batch still covers several texts. The modes take turns on
-each batch (the order rotates each repeat), `repeats` times. Reported per mode and batch size,
-from its fastest repeat: output tokens/s, mean TTFT and TPOT, accept length and per-position
-acceptance; and its speedup over `none` as the median of the per-repeat ratios, with every
-ratio (`speedup_runs`) for the spread: shared CPU machines drift by 10-20% within a minute. With --hf-assisted, transformers' plain and assisted `generate`
+are held-out windows of the corpus. Batch size b means serving b requests at a time
+(`scheduler.max_num_seqs` = b): the prompts of a turn, --waves x b of them, are submitted at
+once and a finished request's slot goes to the next waiting one, so the batch stays full
+until the last wave drains (--max-tokens-spread varies output lengths, so that requests also
+finish at different steps without speculation, as in serving). The modes take turns (the order rotates each repeat) until each
+has run max(--num-prompts, waves x b) prompts, `repeats` times. Reported per mode and batch
+size, from its fastest repeat: output tokens/s, mean TTFT and TPOT, accept length and
+per-position acceptance; and its speedup over `none` as the median of the per-repeat ratios,
+with every ratio (`speedup_runs`) for the spread: shared CPU machines drift by 10-20% within
+a minute. With --hf-assisted, transformers' plain and assisted `generate`
 (same target and draft) run at batch 1 in the same process for comparison.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import logging
 import platform
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -36,8 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8,
-                        help="prompts per measurement (at least the batch size), run in batches of the batch size")
+                        help="prompts per measurement, at least (rounded up to whole turns of --waves x batch size)")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="prompts per turn of a mode, in batch sizes: the batch stays full until the last wave")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens-spread", type=float, default=0.0,
+                        help="vary each request's max_tokens uniformly by this fraction around --max-tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adaptive", choices=["on", "off"], default="off",
@@ -71,19 +80,26 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * stride: i * stride + length] for i in range(count)]
 
 
-def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params, batch: int) -> dict[str, dict]:
-    """Every mode over the same prompts in waves of `batch`; the modes take turns on each wave,
-    so a slow phase of the machine falls on all of them alike."""
+def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params: list, chunk: int) -> dict[str, dict]:
+    """Every mode over the same prompts, `chunk` prompts per generate call; the modes take turns
+    on each chunk, so a slow phase of the machine falls on all of them alike."""
     before = {label: snapshot(llm.engine.spec_stats) for label, llm in engines.items()}
     seconds = dict.fromkeys(order, 0.0)
     outs: dict[str, list] = {label: [] for label in order}
-    for i in range(0, len(prompts), batch):
+    for i in range(0, len(prompts), chunk):
         for label in order:
             start = time.perf_counter()
-            outs[label] += engines[label].generate(prompts[i:i + batch], params, use_tqdm=False)
+            outs[label] += engines[label].generate(prompts[i:i + chunk], params[i:i + chunk], use_tqdm=False)
             seconds[label] += time.perf_counter() - start
     return {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats)
             for label in order}
+
+
+def output_lengths(count: int, mean: int, spread: float) -> list[int]:
+    """Each prompt's max_tokens: `mean`, or with spread s uniform in [mean(1-s), mean(1+s)] (seeded,
+    the same for every mode), so requests finish at different steps as in serving."""
+    rng = random.Random(0)
+    return [max(1, round(mean * (1 + spread * rng.uniform(-1, 1)))) for _ in range(count)]
 
 
 def snapshot(stats) -> tuple:
@@ -166,6 +182,7 @@ def plot(report: dict, path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from moespec.cli import load_engine_config
     from moespec.llm import LLM
+    from moespec.models import load_tokenizer
     from moespec.sampling import SamplingParams
 
     if args.threads:
@@ -173,22 +190,33 @@ def run(args: argparse.Namespace) -> int:
     base = load_engine_config(args)
     modes = [parse_mode(m) for m in args.modes.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engines = {}
-    for label, spec in modes:
-        fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
-        engines[label] = LLM(config=replace(base, speculation=replace(base.speculation, **fields)))
-    tokenizer = next(iter(engines.values())).get_tokenizer()
-    prompts = heldout_prompts(tokenizer, max(sizes + [args.num_prompts]), args.prompt_len)
+
+    def build_engines(batch: int) -> dict:
+        scheduler = replace(base.scheduler, max_num_seqs=batch)
+        engines = {}
+        for label, spec in modes:
+            fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
+            engines[label] = LLM(config=replace(base, scheduler=scheduler,
+                                                speculation=replace(base.speculation, **fields)))
+        return engines
+
+    tokenizer = load_tokenizer(base.model.tokenizer or base.model.path)
+    chunk = lambda batch: args.waves * batch  # noqa: E731  prompts per turn of a mode
+    count = lambda batch: -(-max(args.num_prompts, chunk(batch)) // chunk(batch)) * chunk(batch)  # noqa: E731
+    prompts = heldout_prompts(tokenizer, max(count(b) for b in sizes), args.prompt_len)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+    lengths = output_lengths(len(prompts), args.max_tokens, args.max_tokens_spread)
+    per_prompt = [replace(params, max_tokens=n) for n in lengths]
     results = {label: [] for label, _ in modes}
     for batch in sizes:
+        engines = build_engines(batch)
         for llm in engines.values():  # warm-up
             llm.generate(prompts[:batch], replace(params, max_tokens=4), use_tqdm=False)
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         for r in range(args.repeats):
             labels = list(engines)
             order = labels[r % len(labels):] + labels[:r % len(labels)]  # rotate: no mode always first
-            rows = run_modes(engines, order, prompts[:max(batch, args.num_prompts)], params, batch)
+            rows = run_modes(engines, order, prompts[:count(batch)], per_prompt, chunk(batch))
             for label, row in rows.items():
                 runs[label].append(row)
         for label, rows in runs.items():
@@ -199,9 +227,11 @@ def run(args: argparse.Namespace) -> int:
                         row["tok_s"], f"{row['speedup']:.2f}" if row["speedup"] else "-",
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-")
+        del engines
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "adaptive": args.adaptive,
+              "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
+              "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}
     if args.hf_assisted:
         hf = time_hf(base, prompts[:args.num_prompts], args.max_tokens)

@@ -56,8 +56,8 @@ def test_paged_attention_matches_direct_computation(mla):
         assert torch.allclose(out0[offset:offset + n], reference(q0[offset:offset + n], k[:n], v[:n], causal, 0.3),
                               atol=1e-5)
         offset += n
-    # step 2: decode (1 token), verify (3 tokens), and a tree-masked verify (3 tokens)
-    q_lens = [1, 3, 3]
+    # step 2: verify (3 tokens), decode (1 token), and a tree-masked verify (3 tokens)
+    q_lens = [3, 1, 3]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings under one root
     masks = []
     for n, q_len in zip(history, q_lens):
@@ -68,6 +68,7 @@ def test_paged_attention_matches_direct_computation(mla):
     custom = torch.cat([m.flatten() for m in masks])
     for use_custom in (False, True):
         backend.plan(metadata(list(zip(history, q_lens)), pages, custom if use_custom else None))
+        assert len(backend.groups) == (1 if use_custom else 2)  # the decode request is planned apart
         q = torch.randn(sum(q_lens), H, D)
         new_k = torch.cat([k[n:n + q] for k, n, q in zip(all_k, history, q_lens)])
         new_v = None if mla else torch.cat([v[n:n + q] for v, n, q in zip(all_v, history, q_lens)])
@@ -105,7 +106,7 @@ def test_decode_plan_matches_direct_computation(mla, lengths):
     backend.run(torch.randn(sum(lengths), H, D), torch.cat([k[:-1] for k in all_k]),
                 None if mla else torch.cat([v[:-1] for v in all_v]), cache, 0.3, Dv)
     backend.plan(metadata([(n, 1) for n in lengths], pages))
-    assert (backend.mask is None) == (len(lengths) == 1)
+    assert len(backend.groups) == 1 and (backend.groups[0].mask is None) == (len(lengths) == 1)
     q = torch.randn(len(lengths), H, D)
     out = backend.run(q, torch.cat([k[-1:] for k in all_k]), None if mla else torch.cat([v[-1:] for v in all_v]),
                       cache, 0.3, Dv)

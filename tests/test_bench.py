@@ -20,14 +20,16 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     cfg.write_text(f"model:\n  path: {model}\ndraft:\n  model: {model}\ncache:\n  page_size: 8\n  num_kv_pages: 256\n")
     out = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
-                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "2", "--num-prompts", "3",
+                             "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "2",
+                             "--num-prompts", "3", "--waves", "2",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"none", "draft:2"}
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
-        assert all(r["tok_s"] > 0 and r["tokens"] == 3 * 6 for r in rows)  # 3 prompts in batches of 1 or 2
+        # at least 3 prompts, in turns of 2 x batch size: 4 prompts at batch 1 and at batch 2
+        assert all(r["tok_s"] > 0 and r["tokens"] == 4 * 6 for r in rows)
         assert all(len(r["tok_s_runs"]) == 2 and max(r["tok_s_runs"]) == r["tok_s"] for r in rows)
     for none, draft in zip(report["results"]["none"], report["results"]["draft:2"]):
         assert none["speedup"] == 1.0  # the median of per-repeat ratios to itself
@@ -37,6 +39,14 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_output_lengths_spread_around_the_mean():
+    from moespec.bench import output_lengths
+    assert output_lengths(5, 64, 0.0) == [64] * 5
+    lengths = output_lengths(2000, 100, 0.5)
+    assert lengths == output_lengths(2000, 100, 0.5)  # the same for every mode
+    assert min(lengths) >= 50 and max(lengths) <= 150 and abs(sum(lengths) / 2000 - 100) < 2
 
 
 def test_eval_head_reports_engine_acceptance():

@@ -41,6 +41,20 @@ class AttentionMetadata:
     def q_lens(self) -> torch.Tensor:
         return self.qo_indptr[1:] - self.qo_indptr[:-1]  # [B]
 
+    def select(self, requests: torch.Tensor) -> tuple["AttentionMetadata", torch.Tensor]:
+        """The metadata of a subset of requests (bool [B]) and the rows of their tokens in this
+        batch [T'] (custom masks are not carried over)."""
+        num_pages = self.kv_indptr[1:] - self.kv_indptr[:-1]  # [B]
+        rows = torch.nonzero(requests.repeat_interleave(self.q_lens())).flatten()  # [T']
+        zero = self.qo_indptr[:1]
+        sub = AttentionMetadata(
+            qo_indptr=torch.cat([zero, self.q_lens()[requests].cumsum(0)]),
+            kv_indptr=torch.cat([zero, num_pages[requests].cumsum(0)]),
+            kv_indices=self.kv_indices[requests.repeat_interleave(num_pages)],
+            kv_last_page_len=self.kv_last_page_len[requests], positions=self.positions[rows],
+            page_size=self.page_size)
+        return sub, rows
+
 
 @dataclass
 class LayerKV:

@@ -1,16 +1,22 @@
 """How many tokens to draft this step, so that speculation never runs slower than none.
 
 A config table maps batch size to k (the largest key <= batch size applies; 0 turns
-speculation off). With `adaptive: true` the engine also measures, per batch-size bucket,
-the tokens each request gains per step and the step's wall time, for the table's k and for
-k = 0, and uses whichever gives more tokens per second, re-measuring the other now and
-then: when verification stops paying (large batches, low acceptance) the step falls back to
-plain decoding. Speculation must win by `margin` (5% by default): within it the two are
-equal as far as a noisy step-time measurement can tell, and plain decoding has no catch-up
-steps and no tail of requests finishing at different steps, which these measurements miss. Only steady steps are measured: a speculative step in which the draft first
-catches up on tokens it skipped (after a prefill, or after plain steps) costs more than the
-steady state and is not recorded, so a re-measurement runs `explore_steps` steps in a row.
-Its interval doubles, from `explore_every` up to 16x, each time the loser stays the loser.
+speculation off). With `adaptive: true` the table's k is the most a step drafts: per
+batch-size bucket the engine measures the tokens each request gains per step and the step's
+wall time for a few lengths up to it (0, 1, 2, 4, ... and k itself) and drafts the length that
+gives the most tokens per second, re-measuring the others now and then. Longer drafts pay
+where acceptance is high and verification cheap (small batches); shorter ones, or none, where
+verification costs more than the accepted tokens bring (large batches, low acceptance).
+
+A length takes the lead only when it measures `margin` (5% by default) faster than the
+leader, and plain decoding takes it back as soon as it is at least as fast: within the margin
+the lengths are equal as far as a noisy step-time measurement can tell, switching back and
+forth costs catch-up steps, and plain decoding has no catch-up steps and no tail of requests
+finishing at different steps, which these measurements miss.
+Only steady steps are measured: a speculative step in which the draft first catches up on
+tokens it skipped (after a prefill, or after plain steps) costs more than the steady state
+and is not recorded, so a re-measurement runs `explore_steps` steps in a row. Its interval
+doubles, from `explore_every` up to 16x, each time the leader stays the leader.
 """
 from __future__ import annotations
 
@@ -40,10 +46,10 @@ class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
                  explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05) -> None:
         self.max_tokens = max_tokens
-        self.margin = margin
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
+        self.margin = margin
         self.measures: dict[tuple[int, int], Measure] = {}
         self.steps: dict[int, int] = {}
         self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
@@ -61,6 +67,11 @@ class SpeculationPolicy:
     def bucket(batch_size: int) -> int:
         return 1 << (batch_size - 1).bit_length()  # 1, 2, 4, 8, ...
 
+    @staticmethod
+    def candidates(k: int) -> list[int]:
+        """Draft lengths worth measuring up to k, longest first: k, the powers of two below it, 0."""
+        return sorted({k, 0} | {1 << i for i in range(k.bit_length()) if 1 << i < k}, reverse=True)
+
     def choose(self, batch_size: int) -> int:
         k = self.table_k(batch_size)
         if not self.adaptive or k == 0:
@@ -68,23 +79,34 @@ class SpeculationPolicy:
         bucket = self.bucket(batch_size)
         step = self.steps.get(bucket, 0)
         self.steps[bucket] = step + 1
-        spec, plain = self.measures.get((bucket, k)), self.measures.get((bucket, 0))
-        if spec is None or spec.count < self.min_samples:
-            return k
-        if plain is None or plain.count < self.min_samples:
-            return 0
-        best, other = (k, 0) if spec.rate > (1 + self.margin) * plain.rate else (0, k)
+        lengths = self.candidates(k)
+        for length in lengths:  # first measure every length once
+            measure = self.measures.get((bucket, length))
+            if measure is None or measure.count < self.min_samples:
+                return length
+        best = self.best(bucket, lengths)
         if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
             self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
             self.next_explore[bucket] = step + self.explore_every
-        explore_from = self.next_explore[bucket]
-        if step < explore_from:
+        others = [length for length in lengths if length != best]
+        since = step - self.next_explore[bucket]
+        if since < 0:
             return best
-        if step < explore_from + self.explore_steps:
-            return other
+        if since < self.explore_steps * len(others):  # each other length, explore_steps in a row
+            return others[since // self.explore_steps]
         interval = min(2 * self.intervals[bucket], 16 * self.explore_every)
         self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
         return best
+
+    def best(self, bucket: int, lengths: list[int]) -> int:
+        """The length to run: the leader stays unless another beats it by the margin, except
+        that plain decoding takes over as soon as it measures at least as fast as speculating."""
+        rate = {length: self.measures[bucket, length].rate for length in lengths}
+        leader = self.leaders.get(bucket, 0)
+        if leader not in rate or (leader and rate[0] >= rate[leader]):
+            leader = 0
+        fastest = max((length for length in lengths if length), key=rate.get)
+        return fastest if rate[fastest] > (1 + self.margin) * rate[leader] else leader
 
     def record(self, batch_size: int, k: int, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:
