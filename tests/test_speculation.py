@@ -193,6 +193,21 @@ def test_verification_is_lossless_per_position():
     assert math.isclose(result.num_accepted.double().mean().item(), torch.minimum(p, q).sum().item(), abs_tol=0.01)
 
 
+def test_greedy_verification_equals_lossless_on_one_hot_distributions():
+    """The all-greedy shortcut computes what rejection sampling does with one-hot p and q."""
+    from moespec.speculation import verify_greedy
+    gen = torch.Generator().manual_seed(2)
+    B, K, V = 400, 3, 4
+    target = torch.randint(V, (B, K + 1), generator=gen)
+    drafts = torch.where(torch.rand(B, K, generator=gen) < 0.7, target[:, :K], torch.randint(V, (B, K), generator=gen))
+    one_hot = lambda t: torch.nn.functional.one_hot(t, V).float()  # noqa: E731
+    expected = verify_lossless(one_hot(target), one_hot(drafts), drafts, torch.rand(B, K + 1, generator=gen,
+                                                                                  dtype=torch.float64))
+    got = verify_greedy(target, drafts)
+    assert torch.equal(got.num_accepted, expected.num_accepted) and torch.equal(got.tokens, expected.tokens)
+    assert 0 < got.num_accepted.float().mean() < K  # both full accepts and early rejections occur
+
+
 @pytest.mark.parametrize("arch", ["rmsnorm", "eagle"])
 def test_external_mtp_head_greedy_identical(llama_pair, tmp_path, arch):
     """A target without an MTP layer speculates with a head trained for it (shared embeddings/lm_head)."""

@@ -34,6 +34,16 @@ def verify_lossless(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft
                                                         uniforms[:, K]))
 
 
+def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyResult:
+    """All rows greedy: what verify_lossless computes from one-hot p and q, without building them.
+    target_tokens [B,K+1] the target's argmax at each verify position, draft_tokens [B,K]."""
+    K = draft_tokens.shape[1]
+    num_accepted = (draft_tokens == target_tokens[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [B]
+    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    final = target_tokens.gather(1, num_accepted[:, None])  # [B, 1] the correction or bonus token
+    return VerifyResult(num_accepted, tokens.scatter(1, num_accepted[:, None], final))
+
+
 def place_final_token(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
                       num_accepted: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Draw the token after the accepted prefix and write it at index num_accepted of [B, K+1]."""
