@@ -13,6 +13,9 @@ Reported (median over rounds, models interleaved within each round):
   request at a context of `--context` tokens: q = 1 is plain decode, q = 1 + k is verification.
 - `mtp_ms[q]`: the MTP layer (built-in or head) over q tokens with the target's plan, as in the
   verify re-run, plus its logits at one row.
+- `mixed_ms`: the target over a mixed batch, `--mixed D,C`: D decode requests at the context
+  plus one new request's C-token prefill chunk, as when a request joins a full batch;
+  `decodes_ms` and `chunk_ms` are the two parts alone.
 
 Shapes legend: q query tokens of one request.
 """
@@ -72,6 +75,21 @@ def target_forward(runner: ModelRunner, context: int, q: int):
     return lambda: runner.forward(batch, runner.plan(batch))
 
 
+def mixed_forwards(runner: ModelRunner, context: int, decodes: int, chunk: int) -> dict:
+    """Timers for D decode requests + one C-token prefill chunk in one batch, and each part alone.
+    The decode requests read the same cached context (only the timing matters here)."""
+    decode_spans = [make_span(context, 1)] * decodes
+    first_page = -(-(context + 1) // PAGE)
+    chunk_pages = list(range(first_page, first_page + -(-chunk // PAGE)))
+    chunk_span = Span(chunk_pages, 0, [(5 * i) % 1000 + 10 for i in range(chunk)])
+
+    def timer(spans, sampled):
+        batch = pack_spans(spans, PAGE, "mixed", sampled=sampled)
+        return lambda: runner.forward(batch, runner.plan(batch))
+    return {"mixed_ms": timer(decode_spans + [chunk_span], [True] * (decodes + 1)),
+            "decodes_ms": timer(decode_spans, [True] * decodes), "chunk_ms": timer([chunk_span], [True])}
+
+
 def mtp_forward(runner: ModelRunner, mtp, mtp_caches, context: int, q: int):
     batch = pack_spans([make_span(context, q)], PAGE, "verify")
     hidden = torch.zeros(q, runner.model.config.hidden_size, dtype=runner.dtype)
@@ -93,6 +111,7 @@ def main() -> None:
     parser.add_argument("--builtin-mtp", action="store_true", help="time the target's own MTP layer")
     parser.add_argument("--context", type=int, default=96)
     parser.add_argument("--queries", default="1,2,3,5")
+    parser.add_argument("--mixed", default="31,64", help="D,C: D decode requests + a C-token prefill chunk")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per engine timing")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
@@ -106,10 +125,12 @@ def main() -> None:
     if args.draft:
         engines["draft"] = LLM(model=args.draft, dtype="float32")
     model = load_model(args.target, "float32", show_progress=False)
-    runner = ModelRunner(model, 64, PAGE)
+    decodes, chunk = (int(x) for x in args.mixed.split(","))
+    runner = ModelRunner(model, 2 * -(-(args.context + 8 + chunk) // PAGE), PAGE)
     prefill_cache(runner, args.context + 8)
     queries = [int(q) for q in args.queries.split(",")]
     timers = {f"forward_ms[{q}]": target_forward(runner, args.context, q) for q in queries}
+    timers.update(mixed_forwards(runner, args.context, decodes, chunk))
     if args.head or args.builtin_mtp:
         if args.head:
             mtp = load_mtp_head(model, args.head)
@@ -129,11 +150,12 @@ def main() -> None:
         result["draft_over_target"] = round(result["draft_engine_decode_ms"] / result["target_engine_decode_ms"], 3)
     for q in queries[1:]:
         result[f"verify_over_decode[{q}]"] = round(result[f"forward_ms[{q}]"] / result["forward_ms[1]"], 3)
+    result["mixed_over_parts"] = round(result["mixed_ms"] / (result["decodes_ms"] + result["chunk_ms"]), 3)
     if "mtp_ms[1]" in result:
         result["mtp_over_decode[1]"] = round(result["mtp_ms[1]"] / result["forward_ms[1]"], 3)
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "target": args.target, "draft": args.draft, "head": args.head, "builtin_mtp": args.builtin_mtp,
-              "context": args.context, "result": result}
+              "context": args.context, "mixed": args.mixed, "result": result}
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -38,7 +38,7 @@ PHASES = [
     ("speculator", "step", "  draft step (draft model)"),
     ("speculator", "chain_step", "  chain step (MTP k > 1)"),
     ("", "build_verify_batch", "build verify batch"),
-    ("", "verify", "verify (probs + rejection sampling)"),
+    ("", "verify", "verify (acceptance + final token)"),
     ("speculator", "accept", "accept (MTP re-run over the verify batch)"),
     ("", "append_tokens", "append tokens + stop checks"),
 ]

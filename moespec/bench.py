@@ -8,13 +8,14 @@ are held-out windows of the corpus. Batch size b means serving b requests at a t
 (`scheduler.max_num_seqs` = b): the prompts of a turn, --waves x b of them, are submitted at
 once and a finished request's slot goes to the next waiting one, so the batch stays full
 until the last wave drains (--max-tokens-spread varies output lengths, so that requests also
-finish at different steps without speculation, as in serving). The modes take turns (the order rotates each repeat) until each
-has run max(--num-prompts, waves x b) prompts, `repeats` times. Reported per mode and batch
-size, from its fastest repeat: output tokens/s, mean TTFT and TPOT, accept length and
-per-position acceptance; and its speedup over `none` as the median of the per-repeat ratios,
-with every ratio (`speedup_runs`) for the spread: shared CPU machines drift by 10-20% within
-a minute. With --hf-assisted, transformers' plain and assisted `generate`
-(same target and draft) run at batch 1 in the same process for comparison.
+finish at different steps without speculation, as in serving). The modes take turns (the
+order rotates each repeat) until each has run max(--num-prompts, waves x b) prompts,
+`repeats` times. Reported per mode and batch size, from its fastest repeat: output tokens/s,
+mean TTFT and TPOT, accept length and per-position acceptance; and its speedup over `none`
+as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for the spread:
+shared CPU machines drift by 10-20% within a minute. With --hf-assisted, transformers' plain
+and assisted `generate` (same target and draft) run at batch 1 in the same process for
+comparison.
 """
 from __future__ import annotations
 
