@@ -126,8 +126,8 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s) -> dict:
 
 def summarize_runs(rows: list[dict], baseline: list[dict] | None) -> dict:
     """The fastest of a mode's repeated runs, with its speedup over `none` as the median of the
-    per-repeat ratios (within a repeat the modes took turns on each batch, so a slow phase of a
-    noisy machine hits both sides of a ratio), and every ratio for the spread."""
+    per-repeat ratios (within a repeat the modes took turns on each group of prompts, so a slow
+    phase of a noisy machine hits both sides of a ratio), and every ratio for the spread."""
     best = dict(max(rows, key=lambda row: row["tok_s"]))
     ratios = [row["tok_s"] / base["tok_s"] for row, base in zip(rows, baseline)] if baseline else None
     best.update(tok_s_runs=[row["tok_s"] for row in rows], speedup_runs=ratios,
@@ -201,10 +201,14 @@ def run(args: argparse.Namespace) -> int:
                                                 speculation=replace(base.speculation, **fields)))
         return engines
 
+    def turn_size(batch: int) -> int:  # prompts per turn of a mode
+        return args.waves * batch
+
+    def prompt_count(batch: int) -> int:  # at least --num-prompts, in whole turns
+        return -(-max(args.num_prompts, turn_size(batch)) // turn_size(batch)) * turn_size(batch)
+
     tokenizer = load_tokenizer(base.model.tokenizer or base.model.path)
-    chunk = lambda batch: args.waves * batch  # noqa: E731  prompts per turn of a mode
-    count = lambda batch: -(-max(args.num_prompts, chunk(batch)) // chunk(batch)) * chunk(batch)  # noqa: E731
-    prompts = heldout_prompts(tokenizer, max(count(b) for b in sizes), args.prompt_len)
+    prompts = heldout_prompts(tokenizer, max(prompt_count(b) for b in sizes), args.prompt_len)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     lengths = output_lengths(len(prompts), args.max_tokens, args.max_tokens_spread)
     per_prompt = [replace(params, max_tokens=n) for n in lengths]
@@ -217,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         for r in range(args.repeats):
             labels = list(engines)
             order = labels[r % len(labels):] + labels[:r % len(labels)]  # rotate: no mode always first
-            rows = run_modes(engines, order, prompts[:count(batch)], per_prompt, chunk(batch))
+            rows = run_modes(engines, order, prompts[:prompt_count(batch)], per_prompt, turn_size(batch))
             for label, row in rows.items():
                 runs[label].append(row)
         for label, rows in runs.items():
@@ -228,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
                         row["tok_s"], f"{row['speedup']:.2f}" if row["speedup"] else "-",
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-")
-        del engines
+        for llm in engines.values():
+            llm.close()
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
