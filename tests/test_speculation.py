@@ -63,6 +63,26 @@ def test_draft_greedy_identical_to_no_speculation(llama_pair, k):
     assert llm.engine.spec_stats.steps > 0
 
 
+@pytest.mark.parametrize("mode", ["mtp", "draft"])
+def test_requests_joining_a_speculating_batch(deepseek_mtp, llama_pair, mode):
+    """With fewer slots than requests, newcomers prefill in steps shared with decoding requests
+    (mixed batches, plain steps) and the draft catches up on their prompt; the output stays
+    identical to no speculation."""
+    path = deepseek_mtp if mode == "mtp" else llama_pair[0]
+    spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": False}
+    if mode == "draft":
+        spec["draft_model"] = llama_pair[1]
+    batch = prompts([6, 19, 3, 27, 11], seed=3) + MIXED
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 20, 4, 15, 11, 7, 18, 5, 12)]
+    ref, _ = generate(path, None, batch, params, max_num_seqs=3)
+    llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=256, max_num_seqs=3)
+    modes, forward = [], llm.engine.runner.forward
+    llm.engine.runner.forward = lambda b, ctx: (modes.append(b.mode), forward(b, ctx))[1]
+    got = llm.generate(batch, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert "mixed" in modes and "verify" in modes
+
+
 def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair):
     batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
