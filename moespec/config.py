@@ -48,7 +48,7 @@ class SpeculationSection:
     relaxed_top_n: int = 3
     relaxed_delta: float = 0.5
     adaptive: bool = True
-    adaptive_margin: float = 0.05  # adaptive: speculate only when measured this much faster than plain
+    adaptive_margin: float = 0.05  # adaptive: how much faster a draft length must measure to take the lead
     # batch size -> speculative tokens; the largest key <= batch size applies; 0 turns speculation off
     schedule: dict | None = None
 
