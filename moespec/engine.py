@@ -23,8 +23,8 @@ from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
-from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, apply_penalties, compute_probs,
-                              draw_uniform, make_generator)
+from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
+                              greedy_tokens, make_generator)
 from moespec.scheduler import Scheduler, SchedulerOutput
 from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import DraftRows, create_speculator, verify_greedy, verify_lossless, verify_relaxed
@@ -313,7 +313,7 @@ class Engine:
         B, k = proposal.tokens.shape
         spec = self.config.speculation
         if target_rows.all_greedy and spec.acceptance == "lossless":
-            return verify_greedy(apply_penalties(logits, target_rows).argmax(-1).view(B, k + 1), proposal.tokens)
+            return verify_greedy(greedy_tokens(logits, target_rows).view(B, k + 1), proposal.tokens)
         probs = compute_probs(logits, target_rows).view(B, k + 1, -1)
         if spec.acceptance == "relaxed":
             return verify_relaxed(logits.view(B, k + 1, -1), probs, proposal.probs, proposal.tokens, uniforms,

@@ -262,6 +262,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """What greedy rows pick: the argmax after penalties, [N] int64 (the one-hot of it is what
+    compute_probs gives greedy rows)."""
+    return apply_penalties(logits, batch).argmax(-1)
+
+
 def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Raw logits [N,V] -> the distribution each row samples from, [N,V] float32.
 

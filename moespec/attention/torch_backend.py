@@ -35,13 +35,13 @@ class TorchPagedAttention:
         """Host-side index building, once per batch; every layer reuses it. A mixed batch plans
         its one-query requests (decode) apart from the rest (prefill chunks, verify), so decode
         rows are not padded to the longest prefill chunk."""
-        S = meta.page_size
-        request_of_token = torch.repeat_interleave(torch.arange(meta.num_requests, device=meta.positions.device),
-                                                   meta.q_lens())  # [T]
+        S, B = meta.page_size, meta.num_requests
+        q_lens = meta.q_lens()  # [B]
+        request_of_token = torch.repeat_interleave(torch.arange(B, device=meta.positions.device), q_lens)  # [T]
         page_pos = meta.kv_indptr[request_of_token] + meta.positions // S
         self.slots = meta.kv_indices[page_pos] * S + meta.positions % S  # [T] cache rows written
-        one_query = meta.q_lens() == 1  # [B]
-        if meta.custom_mask is not None or bool(one_query.all()) or not bool(one_query.any()):
+        one_query = q_lens == 1  # [B]
+        if meta.custom_mask is not None or int(one_query.sum()) in (0, B):
             self.groups = [self.plan_group(meta, None)]
         else:
             self.groups = [self.plan_group(*meta.select(one_query)), self.plan_group(*meta.select(~one_query))]
