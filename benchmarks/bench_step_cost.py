@@ -63,6 +63,10 @@ def prefill_cache(runner: ModelRunner, context: int) -> None:
 
 
 def time_call(fn, repeats: int) -> float:
+    """ms per call of `fn` (after one untimed call); a (setup, fn) pair runs setup once first."""
+    if isinstance(fn, tuple):
+        setup, fn = fn
+        setup()
     fn()
     start = time.perf_counter()
     for _ in range(repeats):
@@ -91,16 +95,20 @@ def mixed_forwards(runner: ModelRunner, context: int, decodes: int, chunk: int) 
 
 
 def mtp_forward(runner: ModelRunner, mtp, mtp_caches, context: int, q: int):
+    """(plan, run): the plan is the target's, made once, as in the verify re-run, where the MTP
+    layer reuses the plan of the target's forward over the same batch."""
     batch = pack_spans([make_span(context, q)], PAGE, "verify")
     hidden = torch.zeros(q, runner.model.config.hidden_size, dtype=runner.dtype)
 
+    def plan():
+        runner.backend.plan(batch.attention_metadata())
+
     @torch.inference_mode()
     def run():
-        runner.backend.plan(batch.attention_metadata())
         ctx = ForwardContext(runner.backend, mtp_caches)
         out = mtp.forward_mtp(0, batch.input_ids, hidden, batch.positions, ctx)
         return mtp.compute_mtp_logits(0, out[-1:])
-    return run
+    return plan, run
 
 
 def main() -> None:
