@@ -18,12 +18,12 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:4,mtp:1,mtp:2,mtp:3 \
     --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1,4,16 --threads "$THREADS" \
     --hf-assisted --out docs/bench/spec-tiny-llama.json
-# batch 1, 128 new tokens, five repeats (the issue's single-stream comparison)
+# batch 1, 128 new tokens, seven repeats (the issue's single-stream comparison)
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4,mtp:3 \
-    --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1 --max-tokens 128 --repeats 5 \
+    --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1 --max-tokens 128 --repeats 7 \
     --threads "$THREADS" --hf-assisted --out docs/bench/spec-tiny-llama-batch1-128.json
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --batch-sizes 1 \
-    --max-tokens 128 --repeats 5 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-batch1-128.json
+    --max-tokens 128 --repeats 7 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-batch1-128.json
 # adaptive speculation (the default configs' setting): serving-like, output lengths 64-192
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --adaptive on --max-tokens 128 \
     --max-tokens-spread 0.5 --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive.json
