@@ -12,7 +12,9 @@ Reported (median over rounds, models interleaved within each round):
 - `forward_ms[q]`: the target's ModelRunner plan + forward + logits over q query tokens of one
   request at a context of `--context` tokens: q = 1 is plain decode, q = 1 + k is verification.
 - `mtp_ms[q]`: the MTP layer (built-in or head) over q tokens with the target's plan, as in the
-  verify re-run, plus its logits at one row.
+  verify re-run, plus its logits at one row; run back to back, so its weights stay in cache.
+- `mtp_after_verify_ms[q]`: the same, each call right after the target's forward over those q
+  tokens, as in the engine's speculative step (the target's forward evicts the MTP weights).
 - `mixed_ms`: the target over a mixed batch, `--mixed D,C`: D decode requests at the context
   plus one new request's C-token prefill chunk, as when a request joins a full batch;
   `decodes_ms` and `chunk_ms` are the two parts alone.
@@ -111,6 +113,19 @@ def mtp_forward(runner: ModelRunner, mtp, mtp_caches, context: int, q: int):
     return plan, run
 
 
+def time_after(first, second, repeats: int) -> float:
+    """ms per call of `second` when each call follows one of `first` (not timed)."""
+    first()
+    second()
+    total = 0.0
+    for _ in range(repeats):
+        first()
+        start = time.perf_counter()
+        second()
+        total += time.perf_counter() - start
+    return 1e3 * total / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
@@ -137,6 +152,7 @@ def main() -> None:
     runner = ModelRunner(model, 2 * -(-(args.context + 8 + chunk) // PAGE), PAGE)
     prefill_cache(runner, args.context + 8)
     queries = [int(q) for q in args.queries.split(",")]
+    verify_q = queries[1]  # the verify batch of k = 1 with the default --queries
     timers = {f"forward_ms[{q}]": target_forward(runner, args.context, q) for q in queries}
     timers.update(mixed_forwards(runner, args.context, decodes, chunk))
     if args.head or args.builtin_mtp:
@@ -146,6 +162,9 @@ def main() -> None:
         else:
             mtp, caches = model, runner.cache.layers
         timers.update({f"mtp_ms[{q}]": mtp_forward(runner, mtp, caches, args.context, q) for q in queries[:2]})
+        # the engine's order: the target verifies q tokens (and plans), then the MTP layer re-runs
+        after_verify = (target_forward(runner, args.context, verify_q),
+                        mtp_forward(runner, mtp, caches, args.context, verify_q)[1])
 
     samples: dict[str, list[float]] = {}
     for _ in range(args.rounds):
@@ -153,6 +172,8 @@ def main() -> None:
             samples.setdefault(f"{name}_engine_decode_ms", []).append(time_engine_decode(llm, args.tokens))
         for name, fn in timers.items():
             samples.setdefault(name, []).append(time_call(fn, args.repeats))
+        if args.head or args.builtin_mtp:
+            samples.setdefault(f"mtp_after_verify_ms[{verify_q}]", []).append(time_after(*after_verify, args.repeats))
     result = {name: round(statistics.median(values), 3) for name, values in samples.items()}
     if "draft_engine_decode_ms" in result:
         result["draft_over_target"] = round(result["draft_engine_decode_ms"] / result["target_engine_decode_ms"], 3)
@@ -161,6 +182,8 @@ def main() -> None:
     result["mixed_over_parts"] = round(result["mixed_ms"] / (result["decodes_ms"] + result["chunk_ms"]), 3)
     if "mtp_ms[1]" in result:
         result["mtp_over_decode[1]"] = round(result["mtp_ms[1]"] / result["forward_ms[1]"], 3)
+        after = result[f"mtp_after_verify_ms[{verify_q}]"]
+        result[f"mtp_after_verify_over_decode[{verify_q}]"] = round(after / result["forward_ms[1]"], 3)
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "target": args.target, "draft": args.draft, "head": args.head, "builtin_mtp": args.builtin_mtp,
               "context": args.context, "mixed": args.mixed, "result": result}
