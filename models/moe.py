@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moespec.models.layers import linear
 from moespec.models.weights import WeightError
 
 EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -85,5 +86,5 @@ class LocalExperts(nn.Module):
         return out
 
     def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13[local]).chunk(2, dim=-1)  # [n, I] each
-        return F.linear(F.silu(gate) * up, self.w2[local])  # [n, M]
+        gate, up = linear(x, self.w13[local]).chunk(2, dim=-1)  # [n, I] each
+        return linear(F.silu(gate) * up, self.w2[local])  # [n, M]

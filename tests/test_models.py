@@ -83,3 +83,17 @@ def test_llama_matches_transformers(case, tmp_path):
     save_random(hf, tmp_path)
     compare(hf, tmp_path, prompts_for(101))
 
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
+def test_small_row_linear_matches_f_linear(rows):
+    """`linear` takes weight @ xᵀ for 2-32 float32 rows on the CPU: same values as F.linear, with
+    and without bias, contiguous output."""
+    from moespec.models.layers import linear
+
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 48), torch.randn(80, 48), torch.randn(80)
+    for b in (None, bias):
+        out = linear(x, weight, b)
+        assert out.shape == (rows, 80) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
