@@ -38,19 +38,23 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: t
 SMALL_ROWS = range(2, 33)  # row counts for which CPU float32 linears run as weight @ xᵀ
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for 2-32 rows of float32 on the CPU.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           pad_single_row: bool = False) -> torch.Tensor:
+    """F.linear, except for 2-32 rows of float32 on the CPU (and one row, with `pad_single_row`).
 
     There MKL's F.linear over a few rows costs about one matrix-vector product per row, each
     reading the whole weight; weight @ xᵀ runs as one GEMM that reads it once: 2-4.5x faster for a
-    weight streamed from memory (`benchmarks/bench_linear.py`), 1.2-1.6x for tiny-llama's verify
-    forward. One row stays on F.linear: padded to two it is faster from memory but 2.4x slower
-    for a weight in cache, and the draft model's decode forward got 12% slower with it.
+    weight streamed from memory (`benchmarks/bench_linear.py`). A single row padded to two takes
+    that path too: about 3x faster from memory, but 2.4x slower for a weight in cache, so the
+    model runner pads only for models larger than the last-level cache.
     x [N, in], weight [out, in] -> [N, out].
     """
-    if x.shape[0] not in SMALL_ROWS or x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32:
+    rows = x.shape[0]
+    fast = rows in SMALL_ROWS or (rows == 1 and pad_single_row)
+    if not fast or x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()  # [N, out]
+    columns = (x if rows > 1 else torch.cat([x, x])).t()  # [in, max(N, 2)]
+    out = torch.mm(weight, columns).t()[:rows].contiguous()  # [N, out]
     return out if bias is None else out + bias
 
 
@@ -63,6 +67,7 @@ class Linear(nn.Linear):
     """
 
     FP8_GEMM = None  # callable(x, weight_fp8, scale_inv) -> y, set by a GPU backend
+    pad_single_row = False  # see `linear`; set by the model runner for models that stream weights
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -70,10 +75,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.pad_single_row)
         if Linear.FP8_GEMM is not None:
             return Linear.FP8_GEMM(x, self.weight, self.weight_scale_inv)
-        return linear(x, dequantize_fp8_block(self.weight, self.weight_scale_inv, x.dtype), self.bias)
+        weight = dequantize_fp8_block(self.weight, self.weight_scale_inv, x.dtype)
+        return linear(x, weight, self.bias, self.pad_single_row)
 
 
 class GatedMLP(nn.Module):

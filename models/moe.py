@@ -27,6 +27,8 @@ class MoEExperts(Protocol):
 class LocalExperts(nn.Module):
     """Experts [first, first + num_local) stacked as w13 [E, 2I, M] (gate; up) and w2 [E, M, I]."""
 
+    pad_single_row = False  # as in models.layers.Linear
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0,
                  num_local: int | None = None) -> None:
         super().__init__()
@@ -86,5 +88,5 @@ class LocalExperts(nn.Module):
         return out
 
     def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.w13[local]).chunk(2, dim=-1)  # [n, I] each
-        return linear(F.silu(gate) * up, self.w2[local])  # [n, M]
+        gate, up = linear(x, self.w13[local], pad_single_row=self.pad_single_row).chunk(2, dim=-1)  # [n, I] each
+        return linear(F.silu(gate) * up, self.w2[local], pad_single_row=self.pad_single_row)  # [n, M]

@@ -7,6 +7,7 @@ Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +15,21 @@ from torch import nn
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """Size of the CPU's largest cache (Linux sysfs), or `default` where it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=default)
 
 
 class ModelRunner:
@@ -25,6 +41,11 @@ class ModelRunner:
         self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
         self.backend = create_backend(attention_backend)
         self.sync = None  # RankSync on the leader of an expert-parallel launch
+        pad = self.device.type == "cpu" and weight_bytes(model) > last_level_cache_bytes()
+        for module in model.modules():  # one-row linears as GEMMs when the weights stream (layers.linear)
+            if hasattr(module, "pad_single_row"):
+                module.pad_single_row = pad
+
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
         self.backend.plan(batch.attention_metadata())

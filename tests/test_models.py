@@ -87,13 +87,32 @@ def test_llama_matches_transformers(case, tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
 def test_small_row_linear_matches_f_linear(rows):
-    """`linear` takes weight @ xᵀ for 2-32 float32 rows on the CPU: same values as F.linear, with
-    and without bias, contiguous output."""
+    """`linear` takes weight @ xᵀ for 2-32 float32 rows on the CPU (one row padded to two when
+    asked): same values as F.linear, with and without bias, contiguous output."""
     from moespec.models.layers import linear
 
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 48), torch.randn(80, 48), torch.randn(80)
     for b in (None, bias):
-        out = linear(x, weight, b)
-        assert out.shape == (rows, 80) and out.is_contiguous()
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        for pad in (False, True):
+            out = linear(x, weight, b, pad_single_row=pad)
+            assert out.shape == (rows, 80) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_runner_pads_single_rows_only_for_models_larger_than_the_cache(monkeypatch):
+    """The runner turns on one-row padding in every Linear and expert block when the model's
+    weights exceed the last-level cache, and leaves it off otherwise."""
+    import moespec.model_runner as model_runner
+    from moespec.models.deepseek_v3 import DeepseekV3Config as OurConfig, DeepseekV3ForCausalLM as OurModel
+    from moespec.models.layers import Linear
+    from moespec.models.moe import LocalExperts
+
+    model = OurModel(OurConfig.from_hf(deepseek_config().to_dict()))
+    padded = [m for m in model.modules() if isinstance(m, (Linear, LocalExperts))]
+    assert padded and any(isinstance(m, LocalExperts) for m in padded)
+    size = model_runner.weight_bytes(model)
+    for cache_bytes, expected in ((size - 1, True), (size, False)):
+        monkeypatch.setattr(model_runner, "last_level_cache_bytes", lambda: cache_bytes)
+        model_runner.ModelRunner(model, 4, 16)
+        assert all(m.pad_single_row is expected for m in padded)
