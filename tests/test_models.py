@@ -86,18 +86,25 @@ def test_llama_matches_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
-def test_small_row_linear_matches_f_linear(rows):
+def test_small_row_linear_matches_f_linear(rows, monkeypatch):
     """`linear` takes weight @ xᵀ for 2-32 float32 rows on the CPU (one row padded to two when
-    asked): same values as F.linear, with and without bias, contiguous output."""
-    from moespec.models.layers import linear
+    asked): same values as F.linear, with and without bias, contiguous output; other row counts
+    (and one unpadded row) stay on F.linear."""
+    from moespec.models import layers
 
+    mm_calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(layers.torch, "mm", lambda a, b: mm_calls.append(b.shape) or real_mm(a, b))
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, 48), torch.randn(80, 48), torch.randn(80)
     for b in (None, bias):
         for pad in (False, True):
-            out = linear(x, weight, b, pad_single_row=pad)
+            mm_calls.clear()
+            out = layers.linear(x, weight, b, pad_single_row=pad)
             assert out.shape == (rows, 80) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+            takes_gemm = 2 <= rows <= 32 or (rows == 1 and pad)
+            assert mm_calls == ([(48, max(rows, 2))] if takes_gemm else [])
 
 
 def test_runner_pads_single_rows_only_for_models_larger_than_the_cache(monkeypatch):
