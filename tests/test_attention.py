@@ -92,7 +92,7 @@ def test_batch_pack_roundtrip():
 
 
 @pytest.mark.parametrize("mla", [False, True])
-@pytest.mark.parametrize("lengths", [[7], [5, 12, 1]])
+@pytest.mark.parametrize("lengths", [[7], [8], [5, 12, 1]])
 def test_decode_plan_matches_direct_computation(mla, lengths):
     """Batches of one query per request take the decode plan (no mask for a single request)."""
     torch.manual_seed(1)

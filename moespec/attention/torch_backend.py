@@ -36,6 +36,9 @@ class TorchPagedAttention:
         its one-query requests (decode) apart from the rest (prefill chunks, verify), so decode
         rows are not padded to the longest prefill chunk."""
         S, B = meta.page_size, meta.num_requests
+        if meta.positions.numel() == B and meta.custom_mask is None:
+            self.plan_decode(meta)
+            return
         q_lens = meta.q_lens()  # [B]
         request_of_token = torch.repeat_interleave(torch.arange(B, device=meta.positions.device), q_lens)  # [T]
         page_pos = meta.kv_indptr[request_of_token] + meta.positions // S
@@ -45,6 +48,21 @@ class TorchPagedAttention:
             self.groups = [self.plan_group(meta, None)]
         else:
             self.groups = [self.plan_group(*meta.select(one_query)), self.plan_group(*meta.select(~one_query))]
+
+    def plan_decode(self, meta: AttentionMetadata) -> None:
+        """One query per request (decode, draft chain steps), the hot path of small batches: the
+        query at position p reads KV positions 0..p and writes p; no mask or padding."""
+        S, B = meta.page_size, meta.num_requests
+        kv_lens = meta.positions + 1  # [B]
+        if B == 1:
+            kv_pos = torch.arange(int(kv_lens), device=meta.positions.device)  # [L]
+            kv_slots = (meta.kv_indices[kv_pos // S] * S + kv_pos % S)[None]  # [1, L]
+            self.slots = kv_slots[0, -1:]  # [1]
+            self.groups = [Group(None, kv_slots, None, (1, 1), None)]
+            return
+        self.slots = meta.kv_indices[meta.kv_indptr[:-1] + meta.positions // S] * S + meta.positions % S  # [B]
+        _, kv_valid, kv_slots = self.plan_kv_slots(meta, kv_lens)
+        self.groups = [Group(None, kv_slots, kv_valid[:, None, None, :], (B, 1), None)]
 
     def plan_group(self, meta: AttentionMetadata, rows: torch.Tensor | None) -> Group:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
