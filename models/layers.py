@@ -188,17 +188,35 @@ def yarn_inv_freq(rope: RopeConfig, dim: int, max_position_embeddings: int) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for token positions; `interleave` rotates pairs (x0,x1),(x2,x3) as DeepSeek does."""
+    """cos/sin for token positions, looked up in a float32 table built once; `interleave` rotates
+    pairs (x0,x1),(x2,x3) as DeepSeek does.
+
+    The table and the inverse frequencies are plain attributes, not buffers, so that casting the
+    model to bfloat16 leaves them float32 (rounded frequencies would turn distant positions by
+    wrong angles); the table follows the positions' device on first use.
+    """
 
     def __init__(self, dim: int, rope: RopeConfig, max_position_embeddings: int, interleave: bool = False) -> None:
         super().__init__()
-        inv_freq, self.scale = compute_inv_freq(rope, dim, max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq, self.scale = compute_inv_freq(rope, dim, max_position_embeddings)  # [R/2] float32
         self.interleave = interleave
+        self.cos_sin = self.compute_cos_sin(max_position_embeddings)  # [P, R]: cos | sin
+
+    def compute_cos_sin(self, num_positions: int) -> torch.Tensor:
+        freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [P, R/2]
+        return torch.cat([freqs.cos() * self.scale, freqs.sin() * self.scale], dim=-1)
+
+    def reserve(self, num_positions: int) -> None:
+        """Extend the table to positions 0..num_positions-1 (a cache may outgrow the model's max)."""
+        if num_positions > self.cos_sin.shape[0]:
+            self.cos_sin = self.compute_cos_sin(num_positions).to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        """positions [T] -> cos, sin [T, R/2] each."""
+        if self.cos_sin.device != positions.device:
+            self.cos_sin = self.cos_sin.to(positions.device)
+        cos, sin = self.cos_sin[positions].to(dtype).chunk(2, dim=-1)
+        return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, R] -> rotated [T, H, R]; interleaved input comes out de-interleaved (same for q and k)."""
@@ -209,3 +227,10 @@ class RotaryEmbedding(nn.Module):
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def reserve_rope_positions(model: nn.Module, num_positions: int) -> None:
+    """Let every rotary table of `model` cover positions 0..num_positions-1."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reserve(num_positions)

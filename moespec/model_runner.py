@@ -15,6 +15,7 @@ from torch import nn
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
+from moespec.models.layers import reserve_rope_positions
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
+        reserve_rope_positions(model, num_pages * page_size)  # every position the cache can hold
         self.backend = create_backend(attention_backend)
         self.sync = None  # RankSync on the leader of an expert-parallel launch
         pad = self.device.type == "cpu" and weight_bytes(model) > last_level_cache_bytes()

@@ -123,3 +123,23 @@ def test_runner_pads_single_rows_only_for_models_larger_than_the_cache(monkeypat
         monkeypatch.setattr(model_runner, "last_level_cache_bytes", lambda: cache_bytes)
         model_runner.ModelRunner(model, 4, 16)
         assert all(m.pad_single_row is expected for m in padded)
+
+
+def test_rotary_table_matches_direct_computation_and_stays_float32():
+    """cos/sin come from a table built once; casting the model leaves it (and the frequencies)
+    float32, and `reserve_rope_positions` extends it past max_position_embeddings."""
+    from torch import nn
+
+    from moespec.models.layers import RopeConfig, RotaryEmbedding, reserve_rope_positions
+
+    rope = RotaryEmbedding(16, RopeConfig.from_hf({"rope_parameters": YARN}), 64, interleave=True)
+    model = nn.Sequential(nn.Linear(2, 2), rope).to(torch.bfloat16)
+    assert rope.cos_sin.dtype == rope.inv_freq.dtype == torch.float32
+    reserve_rope_positions(model, 100)
+    positions = torch.tensor([0, 5, 63, 64, 99])
+    cos, sin = rope(positions, torch.float32)  # [T, R/2] each
+    angles = positions[:, None].double() * rope.inv_freq.double()[None, :]
+    assert rope.scale != 1.0
+    torch.testing.assert_close(cos.double(), angles.cos() * rope.scale, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin.double(), angles.sin() * rope.scale, atol=1e-5, rtol=0)
+    assert rope(positions, torch.bfloat16)[0].dtype == torch.bfloat16

@@ -37,7 +37,10 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
     if spec.mtp_head:
         from moespec.models.mtp_head import load_mtp_head
 
+        from moespec.models.layers import reserve_rope_positions
+
         mtp = load_mtp_head(target, spec.mtp_head, dtype)
+        reserve_rope_positions(mtp, cache.num_kv_pages * cache.page_size)
         caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages, cache.page_size, dtype, config.model.device).layers
     else:
         if getattr(target, "num_mtp_layers", 0) < 1:
