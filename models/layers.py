@@ -82,17 +82,80 @@ class Linear(nn.Linear):
         return linear(x, weight, self.bias, self.pad_single_row)
 
 
+class MergedLinear(Linear):
+    """Linears over the same input kept as one weight [sum of outs, in] (q/k/v, gate/up): one GEMM
+    and one call where the checkpoint has several.
+
+    Checkpoints keep the separate tensors (`<parent>.q_proj.weight`, ...): the loader maps them here
+    through `merged_aliases` and `load_part` copies each into its rows; `unmerge_tensors` splits
+    them again for saving. `split` cuts an output into the parts, in the order of `parts`.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)  # checkpoint module name -> output features, in row order
+        self.sizes = list(parts.values())
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.load_part
+                param.num_loads = len(parts)
+
+    def load_part(self, param: torch.Tensor, tensor: torch.Tensor, name: str) -> bool:
+        from moespec.models.weights import WeightError  # weights imports this module
+
+        part = name.rsplit(".", 2)[-2]
+        if part not in self.parts:
+            raise WeightError(f"tensor {name!r} is none of {list(self.parts)}")
+        start = sum(self.sizes[: list(self.parts).index(part)])
+        rows = param[start: start + self.parts[part]]
+        if tuple(tensor.shape) != tuple(rows.shape):
+            raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
+        with torch.no_grad():
+            rows.copy_(tensor.to(param.dtype))
+        return True
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[N, sum of outs] -> one [N, out] view per part."""
+        return y.split(self.sizes, dim=-1)
+
+
+def merged_aliases(model: nn.Module) -> dict[str, str]:
+    """Checkpoint tensor name of each part of a MergedLinear -> the merged parameter's name."""
+    aliases = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = name.rpartition(".")[0]
+            for part in module.parts:
+                for kind in ("weight", "bias"):
+                    aliases[f"{parent}.{part}.{kind}".lstrip(".")] = f"{name}.{kind}"
+    return aliases
+
+
+def unmerge_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict of `model` with each merged parameter split back into the checkpoint's parts."""
+    out = dict(tensors)
+    for name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = name.rpartition(".")[0]
+            for kind in ("weight", "bias"):
+                if f"{name}.{kind}" in out:
+                    for part, chunk in zip(module.parts, out.pop(f"{name}.{kind}").split(module.sizes)):
+                        out[f"{parent}.{part}.{kind}".lstrip(".")] = chunk
+    return out
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one merged projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+                                         bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 # ---------------------------------------------------------------- rotary embeddings

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moespec.attention.base import ForwardContext
-from moespec.models.layers import GatedMLP, Linear, RMSNorm, RopeConfig, RotaryEmbedding
+from moespec.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, RopeConfig, RotaryEmbedding
 from moespec.models.weights import KVSpec, WeightLoader, hf_get, hf_eos_ids
 
 
@@ -54,20 +54,17 @@ class LlamaAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                             config.head_dim)
-        M, bias = config.hidden_size, config.attention_bias
-        self.q_proj = Linear(M, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(M, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(M, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, M, bias=bias)
-        self.scale = self.head_dim ** -0.5
+        M, bias, H, Hk, D = config.hidden_size, config.attention_bias, self.num_heads, self.num_kv_heads, self.head_dim
+        self.qkv_proj = MergedLinear(M, {"q_proj": H * D, "k_proj": Hk * D, "v_proj": Hk * D}, bias=bias)
+        self.o_proj = Linear(H * D, M, bias=bias)
+        self.scale = D ** -0.5
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
-        q, k = rope.apply(q, *cos_sin), rope.apply(k, *cos_sin)
+        T, H, Hk = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * Hk, self.head_dim)  # [T, H+2Hk, D]
+        qk = rope.apply(qkv[:, : H + Hk], *cos_sin)  # q and k rotated in one call
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hk:]  # [T, H, D], [T, Hk, D], [T, Hk, D]
         out = ctx.attend(self.layer_id, q, k, v, self.scale, self.head_dim)  # [T, H, D]
         return self.o_proj(out.reshape(T, -1))
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from moespec.attention.base import ForwardContext
 from moespec.models.deepseek_v3 import DeepseekDecoderLayer, DeepseekV3Config
-from moespec.models.layers import Linear, RMSNorm, RotaryEmbedding
+from moespec.models.layers import Linear, RMSNorm, RotaryEmbedding, unmerge_tensors
 from moespec.models.llama import LlamaConfig, LlamaDecoderLayer
 from moespec.models.weights import KVSpec, WeightError, WeightLoader, read_hf_config
 
@@ -184,7 +184,7 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path, dtype: torch.dtype = torch
     """Head weights only (no embeddings or lm_head) plus config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in head.state_dict().items()}
+    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in unmerge_tensors(head, head.state_dict()).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {**head.config.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra_config or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

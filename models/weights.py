@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from moespec.models.layers import dequantize_fp8_block
+from moespec.models.layers import dequantize_fp8_block, merged_aliases
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -106,7 +106,8 @@ class WeightLoader:
                   capture: Callable[[str], bool] = lambda n: False) -> dict[str, torch.Tensor]:
         """Copy every checkpoint tensor into the model; missing/unexpected/mis-shaped -> WeightError.
 
-        `rename` maps a checkpoint name to a parameter name (None: skip on purpose) and
+        `rename` maps a checkpoint name to a parameter name (None: skip on purpose; the parts of
+        merged projections then map to their MergedLinear) and
         `checkpoint_name` maps back for error messages; tensors for which `capture` is true are
         returned instead of loaded. A parameter
         with a `weight_loader(param, tensor, ckpt_name) -> bool` attribute (stacked experts) loads
@@ -114,7 +115,9 @@ class WeightLoader:
         """
         targets = dict(model.named_parameters())
         targets.update({n: b for n, b in model.named_buffers() if not n.endswith("inv_freq")})
+        aliases = merged_aliases(model)  # q_proj/k_proj/v_proj -> qkv_proj, gate_proj/up_proj -> gate_up_proj
         loaded: Counter[str] = Counter()
+        merged_parts_loaded: set[str] = set()
         captured: dict[str, torch.Tensor] = {}
         for name, tensor in self.tensors():
             if capture(name):
@@ -123,6 +126,9 @@ class WeightLoader:
             target = rename(name)
             if target is None:
                 continue
+            if target in aliases:
+                merged_parts_loaded.add(target)
+                target = aliases[target]
             param = targets.get(target)
             if param is None:
                 if any(fnmatch.fnmatch(name, p) for p in ignore_unexpected):
@@ -137,8 +143,12 @@ class WeightLoader:
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype))
             loaded[target] += 1
-        missing = [f"{checkpoint_name(n)} {tuple(p.shape)}" for n, p in targets.items()
-                   if loaded[n] < getattr(p, "num_loads", 1) and not any(fnmatch.fnmatch(n, pat) for pat in ignore_missing)]
+        missing = []
+        for n, p in targets.items():
+            if loaded[n] >= getattr(p, "num_loads", 1) or any(fnmatch.fnmatch(n, pat) for pat in ignore_missing):
+                continue
+            parts = [a for a, merged in aliases.items() if merged == n and a not in merged_parts_loaded]
+            missing += [checkpoint_name(a) for a in parts] or [f"{checkpoint_name(n)} {tuple(p.shape)}"]
         if missing:
             raise WeightError(f"checkpoint {str(self.model_dir)!r} is missing tensors for: {', '.join(missing[:8])}"
                               + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))

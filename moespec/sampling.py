@@ -380,7 +380,10 @@ class Sampler:
     """One step: logits -> probabilities -> tokens, plus logprobs for the rows that asked."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        tokens = sample(compute_probs(logits, batch), batch)
+        if batch.all_greedy:  # the argmax, without building one-hot distributions
+            tokens = greedy_tokens(logits, batch)
+        else:
+            tokens = sample(compute_probs(logits, batch), batch)
         return SamplerOutput(tokens, self.gather_logprobs(logits, tokens, batch))
 
     def gather_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,

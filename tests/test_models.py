@@ -143,3 +143,39 @@ def test_rotary_table_matches_direct_computation_and_stays_float32():
     torch.testing.assert_close(cos.double(), angles.cos() * rope.scale, atol=1e-5, rtol=0)
     torch.testing.assert_close(sin.double(), angles.sin() * rope.scale, atol=1e-5, rtol=0)
     assert rope(positions, torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_merged_projections_load_and_save_under_checkpoint_names(tmp_path):
+    """q/k/v and gate/up load from their separate checkpoint tensors into one weight each, split
+    back to exactly the checkpoint's tensors, and a missing or mis-shaped part is named."""
+    from safetensors.torch import load_file, save_file
+
+    from moespec.models import WeightError
+    from moespec.models.layers import unmerge_tensors
+
+    hf = LlamaForCausalLM(llama_config(num_attention_heads=4, num_key_value_heads=2, attention_bias=True)).eval()
+    save_random(hf, tmp_path / "m")
+    ours = load_model(tmp_path / "m", show_progress=False)
+    attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    merged = ours.model.layers[1]
+    assert torch.equal(merged.self_attn.qkv_proj.weight,
+                       torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(merged.self_attn.qkv_proj.bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(merged.mlp.gate_up_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    saved = load_file(str(tmp_path / "m" / "model.safetensors"))
+    exported = unmerge_tensors(ours, ours.state_dict())
+    assert set(exported) == set(saved)
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
+
+    def write(edit) -> str:
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "config.json").write_text((tmp_path / "m" / "config.json").read_text())
+        tensors = dict(saved)
+        edit(tensors)
+        save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
+        return str(tmp_path / "bad")
+    with pytest.raises(WeightError, match=r"missing tensors for: model\.layers\.2\.self_attn\.k_proj\.weight$"):
+        load_model(write(lambda t: t.pop("model.layers.2.self_attn.k_proj.weight")), show_progress=False)
+    with pytest.raises(WeightError, match=r"up_proj\.weight' has shape \(5, 64\), expected \(96, 64\)"):
+        load_model(write(lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.ones(5, 64)})),
+                   show_progress=False)

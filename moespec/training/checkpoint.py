@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moespec.models import ARCHITECTURES
+from moespec.models.layers import unmerge_tensors
 from moespec.training.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -49,7 +50,7 @@ def export_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     duplicates here, and the loader shares the target's tensors when the copies are absent."""
     config = model.config
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in unmerge_tensors(model, model.state_dict()).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         for out_name, part in split_experts(name, tensor):
