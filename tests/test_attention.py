@@ -93,23 +93,27 @@ def test_batch_pack_roundtrip():
 
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("lengths", [[7], [8], [5, 12, 1]])
-def test_decode_plan_matches_direct_computation(mla, lengths):
-    """Batches of one query per request take the decode plan (no mask for a single request)."""
+@pytest.mark.parametrize("Q", [1, 3])
+def test_uniform_plan_matches_direct_computation(mla, lengths, Q):
+    """Batches where every request has Q queries (decode, verify) take the uniform plan: one
+    group, causal within the new tokens, no mask at all for a single decode query."""
     torch.manual_seed(1)
     H, Hk, D, Dv = (4, 1, 12, 8) if mla else (4, 2, 8, 8)
     cache = LayerKV(torch.zeros(32, S, Hk, D), None if mla else torch.zeros(32, S, Hk, Dv))
     pages = [list(range(8 * b + 7, 8 * b - 1, -1)) for b in range(len(lengths))]
-    all_k = [torch.randn(n + 1, Hk, D) for n in lengths]
+    all_k = [torch.randn(n + Q, Hk, D) for n in lengths]
     all_v = [k[..., :Dv] if mla else torch.randn(k.shape[0], Hk, Dv) for k in all_k]
     backend = TorchPagedAttention()
     backend.plan(metadata([(0, n) for n in lengths], pages))
-    backend.run(torch.randn(sum(lengths), H, D), torch.cat([k[:-1] for k in all_k]),
-                None if mla else torch.cat([v[:-1] for v in all_v]), cache, 0.3, Dv)
-    backend.plan(metadata([(n, 1) for n in lengths], pages))
-    assert len(backend.groups) == 1 and (backend.groups[0].mask is None) == (len(lengths) == 1)
-    q = torch.randn(len(lengths), H, D)
-    out = backend.run(q, torch.cat([k[-1:] for k in all_k]), None if mla else torch.cat([v[-1:] for v in all_v]),
+    backend.run(torch.randn(sum(lengths), H, D), torch.cat([k[:-Q] for k in all_k]),
+                None if mla else torch.cat([v[:-Q] for v in all_v]), cache, 0.3, Dv)
+    backend.plan(metadata([(n, Q) for n in lengths], pages))
+    assert len(backend.groups) == 1 and backend.groups[0].shape == (len(lengths), Q)
+    assert (backend.groups[0].mask is None) == (len(lengths) == Q == 1)
+    q = torch.randn(len(lengths) * Q, H, D)
+    out = backend.run(q, torch.cat([k[-Q:] for k in all_k]), None if mla else torch.cat([v[-Q:] for v in all_v]),
                       cache, 0.3, Dv)
-    for b, (k, v) in enumerate(zip(all_k, all_v)):
-        ref = reference(q[b:b + 1], k, v, torch.ones(1, k.shape[0], dtype=torch.bool), 0.3)
-        assert torch.allclose(out[b:b + 1], ref, atol=1e-5)
+    for b, (k, v, n) in enumerate(zip(all_k, all_v, lengths)):
+        causal = torch.ones(Q, n + Q, dtype=torch.bool).tril(n)
+        ref = reference(q[b * Q:(b + 1) * Q], k, v, causal, 0.3)
+        assert torch.allclose(out[b * Q:(b + 1) * Q], ref, atol=1e-5)

@@ -36,8 +36,9 @@ class TorchPagedAttention:
         its one-query requests (decode) apart from the rest (prefill chunks, verify), so decode
         rows are not padded to the longest prefill chunk."""
         S, B = meta.page_size, meta.num_requests
-        if meta.positions.numel() == B and meta.custom_mask is None:
-            self.plan_decode(meta)
+        T = meta.positions.numel()
+        if meta.custom_mask is None and T % B == 0 and (T == B or bool((meta.q_lens() == T // B).all())):
+            self.plan_uniform(meta, T // B)
             return
         q_lens = meta.q_lens()  # [B]
         request_of_token = torch.repeat_interleave(torch.arange(B, device=meta.positions.device), q_lens)  # [T]
@@ -49,20 +50,22 @@ class TorchPagedAttention:
         else:
             self.groups = [self.plan_group(*meta.select(one_query)), self.plan_group(*meta.select(~one_query))]
 
-    def plan_decode(self, meta: AttentionMetadata) -> None:
-        """One query per request (decode, draft chain steps), the hot path of small batches: the
-        query at position p reads KV positions 0..p and writes p; no mask or padding."""
+    def plan_uniform(self, meta: AttentionMetadata, Q: int) -> None:
+        """Every request has Q queries (decode: Q = 1, verify: Q = 1 + k), the hot path of
+        speculation: no padding, and the queries at positions p read KV positions 0..p."""
         S, B = meta.page_size, meta.num_requests
-        kv_lens = meta.positions + 1  # [B]
+        q_pos = meta.positions.view(B, Q)  # [B, Q]
         if B == 1:
-            kv_pos = torch.arange(int(kv_lens), device=meta.positions.device)  # [L]
+            kv_pos = torch.arange(int(q_pos[0, -1]) + 1, device=q_pos.device)  # [L]
             kv_slots = (meta.kv_indices[kv_pos // S] * S + kv_pos % S)[None]  # [1, L]
-            self.slots = kv_slots[0, -1:]  # [1]
-            self.groups = [Group(None, kv_slots, None, (1, 1), None)]
-            return
-        self.slots = meta.kv_indices[meta.kv_indptr[:-1] + meta.positions // S] * S + meta.positions % S  # [B]
-        _, kv_valid, kv_slots = self.plan_kv_slots(meta, kv_lens)
-        self.groups = [Group(None, kv_slots, kv_valid[:, None, None, :], (B, 1), None)]
+            self.slots = kv_slots[0, -Q:]  # [Q]
+        else:
+            kv_pos, _, kv_slots = self.plan_kv_slots(meta, q_pos[:, -1] + 1)  # [L], [B, L]
+            self.slots = kv_slots.gather(1, q_pos).flatten()  # [B*Q]
+        # a single decode query sees every slot it reads; otherwise causal (which also hides the
+        # slots past a shorter request's length)
+        mask = None if B == Q == 1 else (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, L]
+        self.groups = [Group(None, kv_slots, mask, (B, Q), None)]
 
     def plan_group(self, meta: AttentionMetadata, rows: torch.Tensor | None) -> Group:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
