@@ -10,11 +10,13 @@ from reference import paged_forward, randomize_routing
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
         "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
 DEEPSEEK_CASES = {
-    "no-q-lora/one-group/all-moe": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0),
+    "no-q-lora/one-group/all-moe/bias": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0,
+                                             attention_bias=True),
     "q-lora/4-groups/yarn": dict(q_lora_rank=12, n_group=4, topk_group=2, first_k_dense_replace=1,
                                  rope_parameters=YARN, max_position_embeddings=128),
-    "2-dense/2-groups/no-interleave": dict(q_lora_rank=24, n_group=2, topk_group=1, first_k_dense_replace=2,
-                                           rope_interleave=False, norm_topk_prob=False, n_shared_experts=2),
+    "2-dense/2-groups/no-interleave/bias": dict(q_lora_rank=24, n_group=2, topk_group=1, first_k_dense_replace=2,
+                                                rope_interleave=False, norm_topk_prob=False, n_shared_experts=2,
+                                                attention_bias=True),
 }
 LLAMA_CASES = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
