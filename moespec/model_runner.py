@@ -33,9 +33,19 @@ def last_level_cache_bytes(default: int = 32 << 20) -> int:
     return max(sizes, default=default)
 
 
+def set_single_row_padding(model: nn.Module, pad: bool) -> None:
+    """One-row linears of `model` as GEMMs (layers.linear): faster when the weights come from memory."""
+    for module in model.modules():
+        if hasattr(module, "pad_single_row"):
+            module.pad_single_row = pad
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, num_pages: int, page_size: int, attention_backend: str = "torch",
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", weights_stream: bool | None = None) -> None:
+        """`weights_stream`: whether the weights are read from memory at each forward rather than
+        from cache; None decides by size (larger than the last-level cache). A draft model runs
+        between target forwards that evict it, so its speculator passes True."""
         self.model = model
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -43,10 +53,9 @@ class ModelRunner:
         reserve_rope_positions(model, num_pages * page_size)  # every position the cache can hold
         self.backend = create_backend(attention_backend)
         self.sync = None  # RankSync on the leader of an expert-parallel launch
-        pad = self.device.type == "cpu" and weight_bytes(model) > last_level_cache_bytes()
-        for module in model.modules():  # one-row linears as GEMMs when the weights stream (layers.linear)
-            if hasattr(module, "pad_single_row"):
-                module.pad_single_row = pad
+        if weights_stream is None:
+            weights_stream = weight_bytes(model) > last_level_cache_bytes()
+        set_single_row_padding(model, self.device.type == "cpu" and weights_stream)
 
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan)."""

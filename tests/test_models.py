@@ -125,6 +125,9 @@ def test_runner_pads_single_rows_only_for_models_larger_than_the_cache(monkeypat
         monkeypatch.setattr(model_runner, "last_level_cache_bytes", lambda: cache_bytes)
         model_runner.ModelRunner(model, 4, 16)
         assert all(m.pad_single_row is expected for m in padded)
+        for stream in (True, False):  # a draft's speculator says its weights stream, whatever their size
+            model_runner.ModelRunner(model, 4, 16, weights_stream=stream)
+            assert all(m.pad_single_row is stream for m in padded)
 
 
 def test_rotary_table_matches_direct_computation_and_stays_float32():

@@ -61,6 +61,8 @@ def test_draft_greedy_identical_to_no_speculation(llama_pair, k):
                                  "adaptive": False}, batch, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert llm.engine.spec_stats.steps > 0
+    # the target evicts the draft's weights between its forwards: one-row linears run as GEMMs
+    assert all(m.pad_single_row for m in llm.engine.speculator.runner.model.modules() if hasattr(m, "pad_single_row"))
 
 
 @pytest.mark.parametrize("mode", ["mtp", "draft"])
@@ -246,6 +248,7 @@ def test_external_mtp_head_greedy_identical(llama_pair, tmp_path, arch):
                                  "adaptive": False}, batch, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert llm.engine.spec_stats.steps > 0
+    assert all(m.pad_single_row for m in llm.engine.speculator.mtp.head.modules() if hasattr(m, "pad_single_row"))
 
 
 def test_mtp_mode_without_mtp_layer_is_a_clear_error(llama_pair):

@@ -35,12 +35,13 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
     spec, cache = config.speculation, config.cache
     dtype = next(target.parameters()).dtype
     if spec.mtp_head:
-        from moespec.models.mtp_head import load_mtp_head
-
+        from moespec.model_runner import set_single_row_padding
         from moespec.models.layers import reserve_rope_positions
+        from moespec.models.mtp_head import load_mtp_head
 
         mtp = load_mtp_head(target, spec.mtp_head, dtype)
         reserve_rope_positions(mtp, cache.num_kv_pages * cache.page_size)
+        set_single_row_padding(mtp.head, True)  # as for a draft model: target forwards evict its weights
         caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages, cache.page_size, dtype, config.model.device).layers
     else:
         if getattr(target, "num_mtp_layers", 0) < 1:

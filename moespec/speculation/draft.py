@@ -23,7 +23,8 @@ class DraftModelSpeculator(Speculator):
 
     def __init__(self, draft_model, num_tokens: int, num_pages: int, page_size: int, attention_backend: str,
                  device) -> None:
-        self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device)
+        # each target forward evicts the draft's weights: its forwards read them from memory
+        self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device, weights_stream=True)
         self.max_tokens = num_tokens
         self.page_size = page_size
         self.computed: dict[str, int] = {}  # request -> tokens in the draft's KV
