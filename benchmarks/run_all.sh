@@ -15,11 +15,11 @@ $PY benchmarks/bench_engine.py --model checkpoints/tiny-llama --batch-sizes 1 16
     --out docs/bench/engine-tiny-llama.json
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3 \
     --batch-sizes 1,4,16 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3.json
-$PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:4,mtp:1,mtp:2,mtp:3 \
+$PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:3,draft:4,mtp:1,mtp:2,mtp:3 \
     --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1,4,16 --threads "$THREADS" \
     --hf-assisted --out docs/bench/spec-tiny-llama.json
 # batch 1, 128 new tokens, seven repeats (the single-stream comparison)
-$PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4,mtp:3 \
+$PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:3,draft:4,mtp:3 \
     --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1 --max-tokens 128 --repeats 7 \
     --threads "$THREADS" --hf-assisted --out docs/bench/spec-tiny-llama-batch1-128.json
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --batch-sizes 1 \
@@ -35,6 +35,8 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1 
 # where a step's time goes
 PROFILE="$PY benchmarks/profile_spec_step.py --threads $THREADS"
 $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-none.json
+$PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-draft3.json \
+    --speculation '{"mode": "draft", "draft_model": "checkpoints/tiny-llama-draft", "num_speculative_tokens": 3}'
 $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-draft4.json \
     --speculation '{"mode": "draft", "draft_model": "checkpoints/tiny-llama-draft", "num_speculative_tokens": 4}'
 $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-mtp3.json \
