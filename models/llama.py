@@ -124,4 +124,4 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, loader: WeightLoader) -> None:
         ignore = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        loader.load_into(self, ignore_missing=ignore, ignore_unexpected=ignore + ("rotary_emb.inv_freq",))
+        loader.load_into(self, ignore_missing=ignore, ignore_unexpected=ignore + ("*rotary_emb.inv_freq",))

@@ -184,7 +184,8 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path, dtype: torch.dtype = torch
     """Head weights only (no embeddings or lm_head) plus config.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in unmerge_tensors(head, head.state_dict()).items()}
+    state = unmerge_tensors(head, head.state_dict())  # q/k/v and gate/up under their own names
+    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {**head.config.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra_config or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

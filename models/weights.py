@@ -114,7 +114,7 @@ class WeightLoader:
         its parts itself and declares how many parts it expects in `num_loads`.
         """
         targets = dict(model.named_parameters())
-        targets.update({n: b for n, b in model.named_buffers() if not n.endswith("inv_freq")})
+        targets.update(model.named_buffers())
         aliases = merged_aliases(model)  # q_proj/k_proj/v_proj -> qkv_proj, gate_proj/up_proj -> gate_up_proj
         loaded: Counter[str] = Counter()
         merged_parts_loaded: set[str] = set()

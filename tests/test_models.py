@@ -179,6 +179,10 @@ def test_merged_projections_load_and_save_under_checkpoint_names(tmp_path):
         edit(tensors)
         save_file(tensors, str(tmp_path / "bad" / "model.safetensors"))
         return str(tmp_path / "bad")
+    # older Llama checkpoints store each layer's rotary inverse frequencies; they are recomputed
+    stale = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    assert torch.equal(load_model(write(lambda t: t.update(stale)), show_progress=False).lm_head.weight,
+                       ours.lm_head.weight)
     with pytest.raises(WeightError, match=r"missing tensors for: model\.layers\.2\.self_attn\.k_proj\.weight$"):
         load_model(write(lambda t: t.pop("model.layers.2.self_attn.k_proj.weight")), show_progress=False)
     with pytest.raises(WeightError, match=r"up_proj\.weight' has shape \(5, 64\), expected \(96, 64\)"):

@@ -32,9 +32,10 @@ class TorchPagedAttention:
         self.groups: list[Group] = []
 
     def plan(self, meta: AttentionMetadata) -> None:
-        """Host-side index building, once per batch; every layer reuses it. A mixed batch plans
-        its one-query requests (decode) apart from the rest (prefill chunks, verify), so decode
-        rows are not padded to the longest prefill chunk."""
+        """Host-side index building, once per batch; every layer reuses it. Batches whose requests
+        all have the same number of queries (decode, verify) take `plan_uniform`; a mixed batch
+        plans its one-query requests (decode) apart from the rest (prefill chunks), so decode rows
+        are not padded to the longest prefill chunk."""
         S, B = meta.page_size, meta.num_requests
         T = meta.positions.numel()
         if meta.custom_mask is None and T % B == 0 and (T == B or bool((meta.q_lens() == T // B).all())):
