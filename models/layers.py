@@ -119,28 +119,28 @@ class MergedLinear(Linear):
         return y.split(self.sizes, dim=-1)
 
 
-def merged_aliases(model: nn.Module) -> dict[str, str]:
-    """Checkpoint tensor name of each part of a MergedLinear -> the merged parameter's name."""
-    aliases = {}
+def merged_parts(model: nn.Module):
+    """(merged parameter name, checkpoint names of its parts, their sizes) for every weight and
+    bias of the MergedLinear modules of `model`."""
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear):
             parent = name.rpartition(".")[0]
-            for part in module.parts:
-                for kind in ("weight", "bias"):
-                    aliases[f"{parent}.{part}.{kind}".lstrip(".")] = f"{name}.{kind}"
-    return aliases
+            for kind in ("weight", "bias"):
+                parts = [f"{parent}.{part}.{kind}".lstrip(".") for part in module.parts]
+                yield f"{name}.{kind}", parts, module.sizes
+
+
+def merged_aliases(model: nn.Module) -> dict[str, str]:
+    """Checkpoint tensor name of each part of a MergedLinear -> the merged parameter's name."""
+    return {part: merged for merged, parts, _ in merged_parts(model) for part in parts}
 
 
 def unmerge_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict of `model` with each merged parameter split back into the checkpoint's parts."""
     out = dict(tensors)
-    for name, module in model.named_modules():
-        if isinstance(module, MergedLinear):
-            parent = name.rpartition(".")[0]
-            for kind in ("weight", "bias"):
-                if f"{name}.{kind}" in out:
-                    for part, chunk in zip(module.parts, out.pop(f"{name}.{kind}").split(module.sizes)):
-                        out[f"{parent}.{part}.{kind}".lstrip(".")] = chunk
+    for merged, parts, sizes in merged_parts(model):
+        if merged in out:
+            out.update(zip(parts, out.pop(merged).split(sizes)))
     return out
 
 

@@ -86,7 +86,6 @@ def test_llama_matches_transformers(case, tmp_path):
     compare(hf, tmp_path, prompts_for(101))
 
 
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 32, 33])
 def test_small_row_linear_matches_f_linear(rows, monkeypatch):
     """`linear` takes weight @ xᵀ for 2-32 float32 rows on the CPU (one row padded to two when
