@@ -28,6 +28,12 @@ class LocalExperts(nn.Module):
     """Experts [first, first + num_local) stacked as w13 [E, 2I, M] (gate; up) and w2 [E, M, I]."""
 
     pad_single_row = False  # as in models.layers.Linear
+    # Batches of at most this many (token, expert) pairs per local expert run every expert
+    # (`forward_dense`): so many pairs hit most experts anyway, and one batched call beats a
+    # loop of per-expert calls. On tiny-deepseek-v3 (8 experts, top-2, float32, 2 threads) the
+    # dense path made a 1-token forward 1.07x, a 2-token verify 1.19x and 4 requests x 2 tokens
+    # 1.09x faster, tied at 8 and 12 tokens and lost 2-3% from 16 (7% at 32, 21% at 64).
+    dense_pairs_per_expert = 2
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0,
                  num_local: int | None = None) -> None:
@@ -65,6 +71,25 @@ class LocalExperts(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] * topk_ids.shape[1] <= self.dense_pairs_per_expert * self.num_local:
+            return self.forward_dense(x, topk_ids, topk_weights)
+        return self.forward_grouped(x, topk_ids, topk_weights)
+
+    def forward_dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every local expert over every token in two batched matmuls that read the stacked
+        weights in place, then each token's chosen outputs picked and weighted: a fixed number of
+        calls, however many experts are hit."""
+        T, M = x.shape
+        E, I = self.num_local, self.intermediate
+        gate_up = linear(x, self.w13.view(E * 2 * I, M), pad_single_row=self.pad_single_row)  # [T, E*2I]
+        gate, up = gate_up.view(T, E, 2, I).unbind(2)  # [T, E, I] each
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+        outs = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, M]
+        picks = (topk_ids - self.first).t()[:, :, None].expand(-1, -1, M)  # [A, T, M]
+        chosen = outs.gather(0, picks)  # [A, T, M]
+        return (chosen * topk_weights.t()[:, :, None]).sum(0)  # [T, M]
+
+    def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Group (token, slot) pairs by expert and run each hit expert once on its own weights.
 
         All ids must be local: the EP layer sends each rank only its experts' tokens. (Gathering

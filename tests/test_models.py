@@ -187,3 +187,29 @@ def test_merged_projections_load_and_save_under_checkpoint_names(tmp_path):
     with pytest.raises(WeightError, match=r"up_proj\.weight' has shape \(5, 64\), expected \(96, 64\)"):
         load_model(write(lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.ones(5, 64)})),
                    show_progress=False)
+
+
+@pytest.mark.parametrize("first,num_local,tokens,top_k", [(0, 8, 1, 2), (0, 8, 3, 2), (4, 4, 5, 1), (0, 6, 2, 3)])
+def test_dense_small_batch_experts_match_grouped(first, num_local, tokens, top_k):
+    """Batches of few (token, expert) pairs per local expert run every local expert in batched
+    matmuls and pick each token's chosen outputs: the same result as running each hit expert on
+    its tokens, including a rank holding experts [first, first + num_local) under expert
+    parallelism; more pairs take the grouped loop."""
+    from moespec.models.moe import LocalExperts
+
+    torch.manual_seed(tokens)
+    experts = LocalExperts(num_local + first, 32, 24, first=first, num_local=num_local)
+    x = torch.randn(tokens, 32)
+    ids = torch.stack([torch.randperm(num_local)[:top_k] for _ in range(tokens)]) + first  # [T, A]
+    weights = torch.rand(tokens, top_k)
+    grouped = experts.forward_grouped(x, ids, weights)
+    pairs_per_expert = tokens * top_k / num_local
+    for limit, expected_path in ((pairs_per_expert, "forward_dense"), (pairs_per_expert - 0.1, "forward_grouped")):
+        experts.dense_pairs_per_expert = limit
+        calls = []
+        for name in ("forward_dense", "forward_grouped"):
+            real = getattr(LocalExperts, name)
+            setattr(experts, name, lambda *a, real=real, name=name: calls.append(name) or real(experts, *a))
+        torch.testing.assert_close(experts(x, ids, weights), grouped, rtol=1e-5, atol=1e-6)
+        assert calls == [expected_path]
+        del experts.forward_dense, experts.forward_grouped
