@@ -117,6 +117,7 @@ class Engine:
         self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
                                         c.speculation.adaptive, margin=c.speculation.adaptive_margin)
         self.spec_stats = SpecStats()
+        self.ran_plain = False  # plain decode steps ran since the last speculative step
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(c.model.seed)
         self.eos_ids = self.resolve_eos_ids()
@@ -214,6 +215,7 @@ class Engine:
         self.record(prepared, host_s, device_s)
         if prepared.batch.mode == "decode" and self.speculator.max_tokens:  # a plain decode step, measured
             self.policy.record(len(prepared.sampled), 0, 1.0, host_s + device_s)
+            self.ran_plain = True
         return outputs
 
     def prepare(self) -> PreparedStep | None:
@@ -288,8 +290,12 @@ class Engine:
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
-        if proposal.steady:  # a catch-up step is not what speculating costs from now on
+        # A catch-up on tokens of plain decode steps is what switching costs, not speculating. One on
+        # a new request's prompt, or on the token of a step mixed with a prefill chunk, is part of
+        # what speculating costs while requests come and go.
+        if proposal.steady or not self.ran_plain:
             self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
+        self.ran_plain = False
         return EngineOutputs(list(seqs))
 
     @staticmethod

@@ -291,24 +291,49 @@ def test_policy_picks_the_fastest_draft_length_or_plain_decoding():
 
 
 @pytest.mark.parametrize("mode", ["mtp", "draft"])
-def test_only_steady_speculative_steps_feed_the_policy(deepseek_mtp, llama_pair, mode):
-    """The step right after prefill catches the draft up on the whole prompt: it is not what
-    speculating costs from then on, so the adaptive policy does not record it."""
+def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_pair, mode):
+    """A speculative step that first catches the draft up on tokens of plain decode steps
+    measures what switching costs, so the adaptive policy does not record it; the catch-up on a
+    new request's prompt recurs with every request and is recorded."""
     path = deepseek_mtp if mode == "mtp" else llama_pair[0]
     spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": True}
     if mode == "draft":
         spec["draft_model"] = llama_pair[1]
     llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=256)
-    engine, steadiness, recorded = llm.engine, [], []
+    engine, events = llm.engine, []
     propose, record = engine.speculator.propose, engine.policy.record
 
     def watch_propose(*args):
         proposal = propose(*args)
-        steadiness.append(proposal.steady)
+        events.append(("propose", proposal.steady))
         return proposal
 
     engine.speculator.propose = watch_propose
-    engine.policy.record = lambda batch, k, tokens, seconds: (recorded.append(k), record(batch, k, tokens, seconds))
+    engine.policy.record = lambda batch, k, tokens, seconds: (events.append(("record", k)),
+                                                              record(batch, k, tokens, seconds))
+    lengths = iter([2, 2, 0, 0, 2, 2, 2] + [1] * 30)  # the policy's choices, scripted
+    engine.policy.choose = lambda batch_size: next(lengths)
     llm.generate(prompts([20]), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert steadiness[:3] == [False, True, True]
-    assert sum(1 for k in recorded if k) == sum(steadiness) and recorded.count(0) >= 2  # plain steps are measured too
+    after_plain, kinds = False, []
+    for i, (event, value) in enumerate(events):
+        if event == "record" and value == 0:
+            after_plain = True
+        elif event == "propose":
+            recorded = i + 1 < len(events) and events[i + 1][0] == "record" and events[i + 1][1] > 0
+            assert recorded == (value or not after_plain), (i, events)
+            kinds.append("steady" if value else "after plain" if after_plain else "after prefill")
+            after_plain = False
+    assert kinds[0] == "after prefill" and "after plain" in kinds and "steady" in kinds, kinds
+    assert sum(1 for e in events if e == ("record", 0)) >= 2  # plain steps are measured too
+
+
+def test_policy_measure_averages_the_first_samples():
+    """One costly first step weighs like any other of the first few samples, then the average
+    turns exponential."""
+    from moespec.speculation.adaptive import Measure
+    measure = Measure()
+    for seconds in (0.05, 0.01, 0.01, 0.01):
+        measure.add(2.0, seconds)
+    assert measure.seconds == pytest.approx(0.02) and measure.tokens_per_step == pytest.approx(2.0)
+    measure.add(2.0, 0.07)
+    assert measure.seconds == pytest.approx(0.8 * 0.02 + 0.2 * 0.07)

@@ -13,10 +13,13 @@ leader, and plain decoding takes it back as soon as it is at least as fast: with
 the lengths are equal as far as a noisy step-time measurement can tell, switching back and
 forth costs catch-up steps, and plain decoding has no catch-up steps and no tail of requests
 finishing at different steps, which these measurements miss.
-Only steady steps are measured: a speculative step in which the draft first catches up on
-tokens it skipped (after a prefill, or after plain steps) costs more than the steady state
-and is not recorded, so a re-measurement runs `explore_steps` steps in a row. Its interval
-doubles, from `explore_every` up to 16x, each time the leader stays the leader.
+A speculative step in which the draft first catches up on the tokens of plain decode steps
+costs more than the steady state and is what switching costs, so it is not recorded, and a
+re-measurement runs `explore_steps` steps in a row. Its interval doubles, from
+`explore_every` up to 16x, each time the leader stays the leader. A catch-up on a new
+request's prompt, or on the token of a step that mixed decodes with a prefill chunk, is
+recorded: plain decoding never pays it, and under traffic where requests come and go it
+recurs, so it belongs to what speculating costs.
 """
 from __future__ import annotations
 
@@ -30,11 +33,11 @@ class Measure:
     count: int = 0
 
     def add(self, tokens: float, seconds: float, decay: float = 0.8) -> None:
-        if self.count == 0:
-            self.tokens_per_step, self.seconds = tokens, seconds
-        else:
-            self.tokens_per_step = decay * self.tokens_per_step + (1 - decay) * tokens
-            self.seconds = decay * self.seconds + (1 - decay) * seconds
+        """The mean of the first samples, then an exponential average (one costly first step
+        does not outweigh the next four)."""
+        keep = min(decay, self.count / (self.count + 1))
+        self.tokens_per_step = keep * self.tokens_per_step + (1 - keep) * tokens
+        self.seconds = keep * self.seconds + (1 - keep) * seconds
         self.count += 1
 
     @property
