@@ -290,9 +290,7 @@ class Engine:
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
-        # A catch-up on tokens of plain decode steps is what switching costs, not speculating. One on
-        # a new request's prompt, or on the token of a step mixed with a prefill chunk, is part of
-        # what speculating costs while requests come and go.
+        # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
         if proposal.steady or not self.ran_plain:
             self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
         self.ran_plain = False
