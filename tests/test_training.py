@@ -12,7 +12,8 @@ from moespec.models import load_model
 from moespec.models.mtp_head import MTPHeadModel, load_mtp_head, save_mtp_head
 from moespec.training import train_model
 from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
-from moespec.training.train_mtp_head import HeadTrainSettings, build_head, precompute_hidden, train_head
+from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, precompute_hidden,
+                                             save_with_builtin_layer, train_head)
 from moespec.training.train_model import Trainer
 
 MAX_BYTES = 200_000
@@ -175,6 +176,38 @@ def test_head_training_changes_only_the_head(arch, fixture, request, tmp_path):
                                mtp_forward(MTPHeadModel(target, head), windows, hidden.float()), atol=1e-4, rtol=1e-4)
     result = evaluate(target, windows, reloaded, batch_size=2)
     assert 0.0 <= result.head_agreement <= 1.0 and result.head_tokens == 4 * 23
+
+
+def test_builtin_mtp_finetune_changes_only_the_mtp_layer(trained_deepseek, trained_llama, tmp_path):
+    """--arch builtin: the target's own MTP layer (experts and router included) is trained on the
+    frozen trunk and saved back into a whole model directory whose trunk tensors are unchanged."""
+    target = load_model(trained_deepseek.out, show_progress=False)
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    windows = trained_deepseek.heldout[:4, :24]  # [N, W]
+    hidden = precompute_hidden(target, windows)
+    head = BuiltinMTPLayer(target)
+    history = train_head(target, head, windows, hidden, HeadTrainSettings(max_steps=4, batch_size=2, warmup_steps=1))
+    assert len(history) == 4
+    changed = {name for name, t in target.state_dict().items() if not torch.equal(t, before[name])}
+    assert changed and all(name.startswith("mtp.0.") for name in changed)
+    assert {"mtp.0.mlp.experts.w13", "mtp.0.eh_proj.weight", "mtp.0.mlp.gate.weight"} <= changed
+
+    save_with_builtin_layer(target, trained_deepseek.out, tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").read_text() == (trained_deepseek.out / "config.json").read_text()
+    L = target.config.num_hidden_layers
+    with safe_open(trained_deepseek.out / "model.safetensors", "pt") as old, \
+            safe_open(tmp_path / "model" / "model.safetensors", "pt") as new:
+        assert set(old.keys()) == set(new.keys())
+        trunk = [k for k in old.keys() if not k.startswith(f"model.layers.{L}.")]
+        assert all(torch.equal(old.get_tensor(k), new.get_tensor(k)) for k in trunk)
+        assert not torch.equal(old.get_tensor(f"model.layers.{L}.eh_proj.weight"),
+                               new.get_tensor(f"model.layers.{L}.eh_proj.weight"))
+    round_to_bf16(target)
+    reloaded = load_model(tmp_path / "model", show_progress=False)
+    torch.testing.assert_close(mtp_forward(reloaded, windows, hidden.float()), mtp_forward(target, windows, hidden.float()),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="no MTP layer"):
+        BuiltinMTPLayer(load_model(trained_llama.out, show_progress=False))
 
 
 def test_paged_eval_matches_dense_forward(trained_deepseek):

@@ -1,12 +1,19 @@
-"""Train an MTP head for a frozen target.
+"""Train an MTP head for a frozen target, or fine-tune the target's own MTP layer.
 
-Command: `moespec train-mtp-head --target DIR --out DIR [--arch eagle|rmsnorm] [--minutes N]`.
+Command: `moespec train-mtp-head --target DIR --out DIR [--arch eagle|rmsnorm|builtin] [--minutes N]`.
 
 The target's final hidden states are precomputed once with the inference forward (`ModelRunner`
 over the paged cache) and cached. The head sees, at position i, the embedding of token i+1 and
 the target's hidden at i; its loss is KL(target's next-token distribution ‖ head's) plus
 `--regression-weight` · smooth-L1 to the target's hidden at i+1. The target's embeddings and
 lm_head are shared and stay frozen; only the head's parameters are optimized.
+
+`--arch builtin` trains the target's own MTP layer (DeepSeek-V3's model.layers.{L}, MoE included)
+the same way, starting from its weights: a layer trained jointly on the text's token i+2 learns to
+imitate what the target predicts instead, which is what speculation accepts, and to hand its
+output on as the next chain step's hidden state. `--out` then receives the whole model directory
+(the trunk's tensors unchanged), and its logs are named mtp_finetune_log.json / mtp_finetune_curve.png
+so that the model's own training log stays.
 
 Shapes legend: N windows, B batch, W window length, T = B*(W-1) head positions, M hidden, V vocab.
 """
@@ -16,12 +23,14 @@ import argparse
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
@@ -29,6 +38,7 @@ from moespec.model_runner import ModelRunner
 from moespec.models import load_model
 from moespec.models.mtp_head import HEAD_ARCHITECTURES, MTPHead, MTPHeadConfig, load_mtp_head, save_mtp_head
 from moespec.models.weights import read_hf_config
+from moespec.training.checkpoint import TOKENIZER_FILES, export_tensors
 from moespec.training.corpus import CorpusSpec, cut_windows
 from moespec.training.data import DEFAULT_TOKENIZER, cache_dir, load_streams
 from moespec.training.evaluate import PAGE_SIZE, describe, evaluate, load_heldout, num_pages_for, target_forward
@@ -113,6 +123,7 @@ def train_head(target: nn.Module, head: MTPHead, windows: torch.Tensor, hidden: 
                settings: HeadTrainSettings) -> list[dict]:
     """Optimize only the head's parameters; returns the per-step history."""
     target.requires_grad_(False)
+    head.requires_grad_(True)  # a built-in layer's parameters belong to the target
     head.train()
     optimizer = build_optimizer(head, settings.lr, settings.weight_decay)
     autocast = autocast_for(settings.precision)
@@ -156,6 +167,36 @@ def next_batch(order: torch.Tensor, batch_size: int, count: int,
     return order[:batch_size], order[batch_size:]
 
 
+class BuiltinMTPLayer(nn.Module):
+    """The target's own MTP layer `index`, called as an MTPHead is: head(embeds, hidden, positions,
+    ctx) -> hidden. Its parameters are the target's; embeddings and lm_head stay the trunk's."""
+
+    def __init__(self, target: nn.Module, index: int = 0) -> None:
+        super().__init__()
+        if getattr(target, "num_mtp_layers", 0) <= index:
+            raise ValueError("--arch builtin: the target has no MTP layer; train a head with --arch rmsnorm")
+        if target.mtp_embeds[index] is not target.model.embed_tokens or target.mtp_heads[index] is not target.lm_head:
+            raise ValueError(f"--arch builtin: MTP layer {index} stores its own embed_tokens or shared_head.head; "
+                             "fine-tuning needs them shared with the target")
+        self.layer = target.mtp[index]
+        self.rotary = [target.model.rotary_emb]  # a list, so the trunk's rotary tables are not ours
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        rope = self.rotary[0]
+        return self.layer(embeds, hidden, rope, rope(positions, hidden.dtype), ctx)
+
+
+def save_with_builtin_layer(target: nn.Module, target_dir: Path, out: Path) -> None:
+    """The target as an HF model directory at `out`: config and tokenizer copied, every tensor
+    (the fine-tuned MTP layer's included) exported in the released names."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(export_tensors(target), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if Path(target_dir).resolve() != out.resolve():
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (Path(target_dir) / name).is_file():
+                shutil.copy(Path(target_dir) / name, out / name)
+
+
 def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
     torch.manual_seed(seed)
     head = MTPHead(MTPHeadConfig.for_target(read_hf_config(target_dir), architecture))
@@ -169,8 +210,9 @@ def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=Path, help="frozen target model directory")
     parser.add_argument("--out", required=True, type=Path, help="head directory to write")
-    parser.add_argument("--arch", choices=HEAD_ARCHITECTURES, default="rmsnorm",
-                        help="eagle: EAGLE-1 layout without norms; rmsnorm: DeepSeek MTP layout with norms")
+    parser.add_argument("--arch", choices=(*HEAD_ARCHITECTURES, "builtin"), default="rmsnorm",
+                        help="eagle: EAGLE-1 layout without norms; rmsnorm: DeepSeek MTP layout with norms; "
+                             "builtin: fine-tune the target's own MTP layer (--out gets the whole model)")
     parser.add_argument("--train-windows", type=int, default=600, help="training windows of target hidden states")
     parser.add_argument("--window-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=48)
@@ -192,27 +234,35 @@ def run(args: argparse.Namespace) -> None:
     target = load_model(args.target, show_progress=False)
     windows = train_windows(args.train_windows, args.window_len, args.seed + 1, args.tokenizer, args.max_bytes)
     hidden = cached_hidden(args.target, target, windows)
-    head = build_head(args.target, args.arch, args.seed)
+    builtin = args.arch == "builtin"
+    head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed)
     settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
                                  max_steps=args.max_steps, minutes=args.minutes, precision=args.precision,
                                  seed=args.seed)
     history = train_head(target, head, windows, hidden, settings)
-    save_mtp_head(head, args.out)
-    result = evaluate(target, load_heldout(args.eval_windows, args.window_len, args.tokenizer, args.max_bytes),
-                      load_mtp_head(target, args.out))
+    heldout = load_heldout(args.eval_windows, args.window_len, args.tokenizer, args.max_bytes)
+    if builtin:
+        save_with_builtin_layer(target, args.target, args.out)
+        model = load_model(args.out, show_progress=False)
+        result = evaluate(model, heldout, model)
+    else:
+        save_mtp_head(head, args.out)
+        result = evaluate(target, heldout, load_mtp_head(target, args.out))
     print(describe(result))
-    write_head_log(args, settings, history, asdict(result))
+    write_head_log(args, settings, history, asdict(result), stem="mtp_finetune" if builtin else "train")
 
 
-def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, history: list[dict], result: dict) -> dict:
+def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, history: list[dict], result: dict,
+                   stem: str = "train") -> dict:
     elapsed = history[-1]["elapsed"] if history else 0.0
     tokens = history[-1]["tokens"] if history else 0
     summary = {"date": time.strftime("%Y-%m-%d"), "target": str(args.target), "head_architecture": args.arch,
                "settings": asdict(settings), "train_windows": args.train_windows, "window_len": args.window_len,
                "steps": len(history), "tokens": tokens, "train_minutes": round(elapsed / 60, 2),
                "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1), "eval": result, "history": history}
-    (args.out / "train_log.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot_losses(history, [], args.out / "loss_curve.png", title=f"{args.out.name} ({args.arch})")
+    (args.out / f"{stem}_log.json").write_text(json.dumps(summary, indent=1) + "\n")
+    curve = "loss_curve.png" if stem == "train" else f"{stem}_curve.png"
+    plot_losses(history, [], args.out / curve, title=f"{args.out.name} ({args.arch})")
     return summary
 
 
