@@ -22,15 +22,15 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:3,draft:4,mtp:3 \
     --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head --batch-sizes 1 --max-tokens 128 --repeats 7 \
     --threads "$THREADS" --hf-assisted --out docs/bench/spec-tiny-llama-batch1-128.json
-$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --batch-sizes 1 \
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3 --batch-sizes 1 \
     --max-tokens 128 --repeats 7 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-batch1-128.json
 # adaptive speculation (the default configs' setting): serving-like, output lengths 64-192
-$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --adaptive on --max-tokens 128 \
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:2,mtp:3 --adaptive on --max-tokens 128 \
     --max-tokens-spread 0.5 --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive.json
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4 --adaptive on --max-tokens 128 \
     --max-tokens-spread 0.5 --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-llama-adaptive.json
 # the same with every output 128 tokens long: without speculation the requests stay in lockstep
-$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1 --adaptive on --max-tokens 128 \
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:2,mtp:3 --adaptive on --max-tokens 128 \
     --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive-fixed-length.json
 # where a step's time goes
 PROFILE="$PY benchmarks/profile_spec_step.py --threads $THREADS"
@@ -44,3 +44,5 @@ $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-mtp3
 $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-none.json
 $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-mtp1.json \
     --speculation '{"mode": "mtp", "num_speculative_tokens": 1}'
+$PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-mtp2.json \
+    --speculation '{"mode": "mtp", "num_speculative_tokens": 2}'
