@@ -204,8 +204,8 @@ def test_builtin_mtp_finetune_changes_only_the_mtp_layer(trained_deepseek, train
                                new.get_tensor(f"model.layers.{L}.eh_proj.weight"))
     round_to_bf16(target)
     reloaded = load_model(tmp_path / "model", show_progress=False)
-    torch.testing.assert_close(mtp_forward(reloaded, windows, hidden.float()), mtp_forward(target, windows, hidden.float()),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mtp_forward(reloaded, windows, hidden.float()),
+                               mtp_forward(target, windows, hidden.float()), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="no MTP layer"):
         BuiltinMTPLayer(load_model(trained_llama.out, show_progress=False))
 

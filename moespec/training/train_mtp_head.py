@@ -209,7 +209,8 @@ def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=Path, help="frozen target model directory")
-    parser.add_argument("--out", required=True, type=Path, help="head directory to write")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="head directory to write (with --arch builtin: the whole model directory)")
     parser.add_argument("--arch", choices=(*HEAD_ARCHITECTURES, "builtin"), default="rmsnorm",
                         help="eagle: EAGLE-1 layout without norms; rmsnorm: DeepSeek MTP layout with norms; "
                              "builtin: fine-tune the target's own MTP layer (--out gets the whole model)")
