@@ -38,7 +38,7 @@ from moespec.model_runner import ModelRunner
 from moespec.models import load_model
 from moespec.models.mtp_head import HEAD_ARCHITECTURES, MTPHead, MTPHeadConfig, load_mtp_head, save_mtp_head
 from moespec.models.weights import read_hf_config
-from moespec.training.checkpoint import TOKENIZER_FILES, export_tensors
+from moespec.training.checkpoint import copy_tokenizer, export_tensors
 from moespec.training.corpus import CorpusSpec, cut_windows
 from moespec.training.data import DEFAULT_TOKENIZER, cache_dir, load_streams
 from moespec.training.evaluate import PAGE_SIZE, describe, evaluate, load_heldout, num_pages_for, target_forward
@@ -192,9 +192,8 @@ def save_with_builtin_layer(target: nn.Module, target_dir: Path, out: Path) -> N
     out.mkdir(parents=True, exist_ok=True)
     save_file(export_tensors(target), str(out / "model.safetensors"), metadata={"format": "pt"})
     if Path(target_dir).resolve() != out.resolve():
-        for name in ("config.json", *TOKENIZER_FILES):
-            if (Path(target_dir) / name).is_file():
-                shutil.copy(Path(target_dir) / name, out / name)
+        shutil.copy(Path(target_dir) / "config.json", out / "config.json")
+        copy_tokenizer(target_dir, out)
 
 
 def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
