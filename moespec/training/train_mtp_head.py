@@ -249,20 +249,21 @@ def run(args: argparse.Namespace) -> None:
         save_mtp_head(head, args.out)
         result = evaluate(target, heldout, load_mtp_head(target, args.out))
     print(describe(result))
-    write_head_log(args, settings, history, asdict(result), stem="mtp_finetune" if builtin else "train")
+    names = ("mtp_finetune_log.json", "mtp_finetune_curve.png") if builtin else ("train_log.json", "loss_curve.png")
+    write_head_log(args, settings, history, asdict(result), names)
 
 
 def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, history: list[dict], result: dict,
-                   stem: str = "train") -> dict:
+                   names: tuple[str, str] = ("train_log.json", "loss_curve.png")) -> dict:
+    """The run's summary and history as JSON and its loss curve, under `names` in --out."""
     elapsed = history[-1]["elapsed"] if history else 0.0
     tokens = history[-1]["tokens"] if history else 0
     summary = {"date": time.strftime("%Y-%m-%d"), "target": str(args.target), "head_architecture": args.arch,
                "settings": asdict(settings), "train_windows": args.train_windows, "window_len": args.window_len,
                "steps": len(history), "tokens": tokens, "train_minutes": round(elapsed / 60, 2),
                "tokens_per_s": round(tokens / max(elapsed, 1e-9), 1), "eval": result, "history": history}
-    (args.out / f"{stem}_log.json").write_text(json.dumps(summary, indent=1) + "\n")
-    curve = "loss_curve.png" if stem == "train" else f"{stem}_curve.png"
-    plot_losses(history, [], args.out / curve, title=f"{args.out.name} ({args.arch})")
+    (args.out / names[0]).write_text(json.dumps(summary, indent=1) + "\n")
+    plot_losses(history, [], args.out / names[1], title=f"{args.out.name} ({args.arch})")
     return summary
 
 
