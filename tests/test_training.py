@@ -153,6 +153,25 @@ def test_resume_continues_from_saved_step(tmp_path):
     assert losses == pytest.approx([r["loss"] for r in straight.state.history], rel=1e-3)
 
 
+def test_init_from_starts_from_a_saved_model(trained_llama, tmp_path):
+    path = write_preset(tmp_path, TINY_LLAMA)
+    warm = Trainer(train_args(path, tmp_path / "warm", "--max-steps", "3", "--init-from", str(trained_llama.out)))
+    saved = load_model(trained_llama.out, show_progress=False).state_dict()
+    for name, tensor in warm.model.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], msg=name)
+    warm.run()
+    cold = Trainer(train_args(path, tmp_path / "cold", "--max-steps", "3"))
+    cold.run()
+    # the warm start begins at the trained model's loss, far below a fresh model's
+    assert warm.state.history[0]["ce"] < cold.state.history[0]["ce"] - 1.0
+    with pytest.raises(ValueError, match="exclude"):
+        Trainer(train_args(path, tmp_path / "warm", "--init-from", str(trained_llama.out), "--resume"))
+    (tmp_path / "wider").mkdir()
+    wider = write_preset(tmp_path / "wider", {**TINY_LLAMA, "hidden_size": 48})
+    with pytest.raises(ValueError, match="does not match preset"):
+        Trainer(train_args(wider, tmp_path / "bad", "--init-from", str(trained_llama.out)))
+
+
 @pytest.mark.parametrize("arch", ["eagle", "rmsnorm"])
 @pytest.mark.parametrize("fixture", ["trained_llama", "trained_deepseek"])
 def test_head_training_changes_only_the_head(arch, fixture, request, tmp_path):

@@ -1,12 +1,14 @@
 """Train a tiny target or draft model from an HF config preset on the corpus.
 
 Command: `moespec train-model --preset tiny-deepseek-v3|tiny-llama|tiny-llama-draft|CONFIG.json
---out DIR [--minutes N] [--max-steps N] [--resume] [--teacher DIR]`.
+--out DIR [--minutes N] [--max-steps N] [--resume | --init-from DIR] [--teacher DIR]`.
 
 DeepSeek models train their MTP layer jointly (loss = CE + λ·MTP CE, MTP input at i =
 (embedding of token i+1, final hidden at i), target token i+2) and balance experts without an
 auxiliary loss: after every step each router's e_score_correction_bias moves by ±γ towards
 equal load. A `--teacher` adds KL(teacher ‖ student) to the loss (draft distillation).
+`--init-from DIR` starts from the weights of a model trained earlier (e.g. a released checkpoint
+without its training state) with a fresh optimizer and schedule.
 
 Shapes legend: B batch, L window length, T = B*L tokens, M hidden, V vocab, E experts, A top-k.
 """
@@ -245,8 +247,12 @@ class Trainer:
         self.heldout = heldout_windows(heldout, args.seq_len + 1, args.eval_windows)
         self.autocast = autocast_for(args.precision)
         self.state = TrainState()
+        if args.resume and args.init_from:
+            raise ValueError("--resume and --init-from exclude each other: --resume continues OUT's own run")
         if args.resume:
             self.restore()
+        elif args.init_from:
+            self.initialize_from(args.init_from)
 
     @property
     def budget_s(self) -> float:
@@ -262,6 +268,19 @@ class Trainer:
         self.state = TrainState(**saved["train_state"])
         torch.set_rng_state(saved["torch_rng"])
         log.info("resumed %s at step %d (%.1f min trained)", self.out, self.state.step, self.state.elapsed / 60)
+
+    def initialize_from(self, model_dir: Path) -> None:
+        """Warm start: copy every weight of an HF model dir built from the same preset."""
+        source = load_model(model_dir, show_progress=False).state_dict()
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(source)), sorted(set(source) - set(own))
+        mismatched = [f"{name} {tuple(source[name].shape)} != {tuple(t.shape)}" for name, t in own.items()
+                      if name in source and source[name].shape != t.shape]
+        if missing or unexpected or mismatched:
+            raise ValueError(f"--init-from {model_dir} does not match preset {self.args.preset!r}: missing "
+                             f"{missing[:4]}, unexpected {unexpected[:4]}, shapes {mismatched[:4]}")
+        self.model.load_state_dict(source)
+        log.info("initialized %s from %s", self.out, model_dir)
 
     def train_step(self) -> dict:
         rows = self.sampler.batch(self.state.step)  # [B, L+1]
@@ -378,6 +397,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/training_state.pt")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this model dir's weights (same preset), fresh optimizer and schedule")
 
 
 def run(args: argparse.Namespace) -> None:
