@@ -14,7 +14,7 @@ from moespec.training import train_model
 from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
 from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, precompute_hidden,
                                              save_with_builtin_layer, train_head)
-from moespec.training.train_model import Trainer
+from moespec.training.train_model import Trainer, compute_losses
 
 MAX_BYTES = 200_000
 TINY_DEEPSEEK = {
@@ -151,6 +151,17 @@ def test_resume_continues_from_saved_step(tmp_path):
     assert resumed.state.step == 6 and len(resumed.state.history) == 6
     losses = [r["loss"] for r in resumed.state.history]
     assert losses == pytest.approx([r["loss"] for r in straight.state.history], rel=1e-3)
+
+
+def test_distillation_alone_lowers_kl_to_the_teacher(trained_llama, tmp_path):
+    teacher = load_model(trained_llama.out, show_progress=False)
+    with torch.no_grad():
+        losses = compute_losses(teacher, trained_llama.heldout[:2], 0.0, teacher, distill_weight=1.0)
+    assert losses.parts["kl"] == pytest.approx(0.0, abs=1e-4)  # a model against itself
+    student = train(tmp_path, TINY_LLAMA, 12, "--teacher", str(trained_llama.out), "--ce-weight", "0")
+    history = student.state.history
+    assert history[-1]["loss"] == pytest.approx(history[-1]["kl"], rel=1e-5)  # the CE is weighted out
+    assert mean_loss(history, "kl", slice(-3, None)) < mean_loss(history, "kl", slice(0, 3)) - 0.3
 
 
 def test_init_from_starts_from_a_saved_model(trained_llama, tmp_path):

@@ -128,16 +128,16 @@ def dense_context(batch: int) -> ForwardContext:
     return ForwardContext(DenseCausalAttention(batch), None)
 
 
-def compute_losses(model: nn.Module, rows: torch.Tensor, mtp_weight: float,
-                   teacher: nn.Module | None = None, distill_weight: float = 0.0) -> StepLosses:
-    """rows [B, L+1] -> CE of next tokens (+ λ·MTP CE of next-next tokens, + distillation KL)."""
+def compute_losses(model: nn.Module, rows: torch.Tensor, mtp_weight: float, teacher: nn.Module | None = None,
+                   distill_weight: float = 0.0, ce_weight: float = 1.0) -> StepLosses:
+    """rows [B, L+1] -> ce_weight·CE of next tokens (+ λ·MTP CE of next-next tokens, + distillation KL)."""
     B, L = rows.shape[0], rows.shape[1] - 1
     inputs, targets = rows[:, :-1].reshape(-1), rows[:, 1:].reshape(-1)  # [T], [T]
     positions = torch.arange(L).repeat(B)  # [T]
     hidden = model(inputs, positions, dense_context(B))  # [T, M]
     logits = model.compute_logits(hidden).float()  # [T, V]
     ce = F.cross_entropy(logits, targets)
-    total, parts = ce, {"ce": ce.item()}
+    total, parts = ce_weight * ce, {"ce": ce.item()}
     if mtp_weight > 0 and getattr(model, "num_mtp_layers", 0) > 0:
         mtp_ce = compute_mtp_loss(model, rows, hidden.view(B, L, -1))
         total = total + mtp_weight * mtp_ce
@@ -288,7 +288,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.args.lr * factor
         with self.autocast():
-            losses = compute_losses(self.model, rows, self.args.mtp_weight, self.teacher, self.args.distill_weight)
+            losses = compute_losses(self.model, rows, self.args.mtp_weight, self.teacher, self.args.distill_weight,
+                                    self.args.ce_weight)
         self.optimizer.zero_grad(set_to_none=True)
         losses.total.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
@@ -391,6 +392,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bias-update", type=float, default=1e-3, help="γ of the router bias update (DeepSeek)")
     parser.add_argument("--teacher", type=Path, default=None, help="target model dir to distill from")
     parser.add_argument("--distill-weight", type=float, default=1.0, help="weight of KL(teacher ‖ model)")
+    parser.add_argument("--ce-weight", type=float, default=1.0,
+                        help="weight of the next-token CE on the corpus (0 with --teacher: distillation alone)")
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--save-minutes", type=float, default=4.0)
