@@ -102,6 +102,7 @@ def pack_spans(spans: list[Span], page_size: int, mode: Mode, sampled: list[bool
             sample += range(qo[-2], qo[-1])
         elif sampled[i]:
             sample.append(qo[-1] - 1)
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return Batch(mode, as_tensor(ids), as_tensor(positions), as_tensor(qo), as_tensor(kv), as_tensor(indices),
-                 as_tensor(last), as_tensor(sample), page_size)
+    # one host tensor, viewed as the batch's fields (in Batch.TENSORS order)
+    flat = torch.tensor(ids + positions + qo + kv + indices + last + sample, dtype=torch.int64)
+    sizes = [len(part) for part in (ids, positions, qo, kv, indices, last, sample)]
+    return Batch(mode, *flat.split(sizes), page_size=page_size)
