@@ -2,6 +2,7 @@
 our loader and in transformers, resume continues, head training leaves the target untouched."""
 import argparse
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from moespec.training import train_model
 from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
 from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, precompute_hidden,
                                              save_with_builtin_layer, train_head)
-from moespec.training.train_model import Trainer, compute_losses
+from moespec.training.train_model import Trainer, compute_losses, evaluate_windows
 
 MAX_BYTES = 200_000
 TINY_DEEPSEEK = {
@@ -158,10 +159,14 @@ def test_distillation_alone_lowers_kl_to_the_teacher(trained_llama, tmp_path):
     with torch.no_grad():
         losses = compute_losses(teacher, trained_llama.heldout[:2], 0.0, teacher, distill_weight=1.0)
     assert losses.parts["kl"] == pytest.approx(0.0, abs=1e-4)  # a model against itself
+    assert evaluate_windows(teacher, trained_llama.heldout, 4, nullcontext, teacher)["teacher_agreement"] == 1.0
     student = train(tmp_path, TINY_LLAMA, 12, "--teacher", str(trained_llama.out), "--ce-weight", "0")
     history = student.state.history
     assert history[-1]["loss"] == pytest.approx(history[-1]["kl"], rel=1e-5)  # the CE is weighted out
     assert mean_loss(history, "kl", slice(-3, None)) < mean_loss(history, "kl", slice(0, 3)) - 0.3
+    assert 0 <= student.state.evals[-1]["teacher_agreement"] <= 1  # logged with every evaluation
+    with pytest.raises(ValueError, match="nothing to train"):
+        Trainer(train_args(write_preset(tmp_path, TINY_LLAMA), tmp_path / "none", "--ce-weight", "0"))
 
 
 def test_init_from_starts_from_a_saved_model(trained_llama, tmp_path):

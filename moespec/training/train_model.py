@@ -170,22 +170,29 @@ def compute_distill_loss(teacher: nn.Module, inputs: torch.Tensor, positions: to
 
 
 @torch.no_grad()
-def evaluate_windows(model: nn.Module, windows: torch.Tensor, batch_size: int, autocast) -> tuple[float, float]:
-    """(mean CE, next-token accuracy) over held-out windows [N, L+1] with the training forward."""
+def evaluate_windows(model: nn.Module, windows: torch.Tensor, batch_size: int, autocast,
+                     teacher: nn.Module | None = None) -> dict:
+    """Held-out windows [N, L+1] through the training forward -> mean CE, next-token accuracy and,
+    with a teacher, top-1 agreement with the teacher's next token (what a draft is for)."""
     model.eval()
-    losses, correct, count = [], 0, 0
+    loss, correct, agree, count = 0.0, 0, 0, 0
     for start in range(0, len(windows), batch_size):
         rows = windows[start:start + batch_size]
         B, L = rows.shape[0], rows.shape[1] - 1
+        inputs, positions, targets = rows[:, :-1].reshape(-1), torch.arange(L).repeat(B), rows[:, 1:].reshape(-1)
         with autocast():
-            hidden = model(rows[:, :-1].reshape(-1), torch.arange(L).repeat(B), dense_context(B))
-            logits = model.compute_logits(hidden).float()
-        targets = rows[:, 1:].reshape(-1)
-        losses.append(F.cross_entropy(logits, targets, reduction="sum").item())
+            logits = model.compute_logits(model(inputs, positions, dense_context(B))).float()  # [T, V]
+            if teacher is not None:
+                teacher_logits = teacher.compute_logits(teacher(inputs, positions, dense_context(B)))  # [T, V]
+                agree += int((logits.argmax(-1) == teacher_logits.argmax(-1)).sum())
+        loss += F.cross_entropy(logits, targets, reduction="sum").item()
         correct += int((logits.argmax(-1) == targets).sum())
         count += targets.numel()
     model.train()
-    return sum(losses) / count, correct / count
+    result = {"heldout_loss": loss / count, "heldout_accuracy": correct / count}
+    if teacher is not None:
+        result["teacher_agreement"] = agree / count
+    return result
 
 
 # ---------------------------------------------------------------- optimization
@@ -247,6 +254,10 @@ class Trainer:
         self.heldout = heldout_windows(heldout, args.seq_len + 1, args.eval_windows)
         self.autocast = autocast_for(args.precision)
         self.state = TrainState()
+        if args.ce_weight < 0 or args.distill_weight < 0:
+            raise ValueError("--ce-weight and --distill-weight must be >= 0")
+        if args.ce_weight == 0 and not (self.teacher is not None and args.distill_weight > 0):
+            raise ValueError("--ce-weight 0 leaves nothing to train without --teacher and --distill-weight > 0")
         if args.resume and args.init_from:
             raise ValueError("--resume and --init-from exclude each other: --resume continues OUT's own run")
         if args.resume:
@@ -339,10 +350,11 @@ class Trainer:
         return len(recent) * self.args.batch_size * self.args.seq_len / sum(r["step_s"] for r in recent)
 
     def evaluate(self) -> None:
-        loss, acc = evaluate_windows(self.model, self.heldout, self.args.batch_size, self.autocast)
-        self.state.evals.append({"step": self.state.step, "tokens": self.state.tokens, "heldout_loss": loss,
-                                 "heldout_accuracy": acc})
-        tqdm.write(f"step {self.state.step}: held-out loss {loss:.3f}, next-token accuracy {acc:.1%}")
+        metrics = evaluate_windows(self.model, self.heldout, self.args.batch_size, self.autocast, self.teacher)
+        self.state.evals.append({"step": self.state.step, "tokens": self.state.tokens, **metrics})
+        agreement = f", agreement with the teacher {metrics['teacher_agreement']:.1%}" if self.teacher else ""
+        tqdm.write(f"step {self.state.step}: held-out loss {metrics['heldout_loss']:.3f}, "
+                   f"next-token accuracy {metrics['heldout_accuracy']:.1%}{agreement}")
 
     def save(self) -> None:
         """HF model dir (bf16), train_log.json, loss curve and the resumable state."""
