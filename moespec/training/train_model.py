@@ -239,9 +239,20 @@ class TrainState:
     evals: list[dict] = field(default_factory=list)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse combinations that cannot train, before loading anything."""
+    if args.ce_weight < 0 or args.distill_weight < 0:
+        raise ValueError("--ce-weight and --distill-weight must be >= 0")
+    if args.ce_weight == 0 and not (args.teacher and args.distill_weight > 0):
+        raise ValueError("--ce-weight 0 leaves nothing to train without --teacher and --distill-weight > 0")
+    if args.resume and args.init_from:
+        raise ValueError("--resume and --init-from exclude each other: --resume continues OUT's own run")
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        check_arguments(args)
         self.out = Path(args.out)
         self.preset = load_preset(args.preset)
         seed_everything(args.seed)
@@ -254,12 +265,6 @@ class Trainer:
         self.heldout = heldout_windows(heldout, args.seq_len + 1, args.eval_windows)
         self.autocast = autocast_for(args.precision)
         self.state = TrainState()
-        if args.ce_weight < 0 or args.distill_weight < 0:
-            raise ValueError("--ce-weight and --distill-weight must be >= 0")
-        if args.ce_weight == 0 and not (self.teacher is not None and args.distill_weight > 0):
-            raise ValueError("--ce-weight 0 leaves nothing to train without --teacher and --distill-weight > 0")
-        if args.resume and args.init_from:
-            raise ValueError("--resume and --init-from exclude each other: --resume continues OUT's own run")
         if args.resume:
             self.restore()
         elif args.init_from:
