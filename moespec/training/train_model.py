@@ -287,15 +287,10 @@ class Trainer:
 
     def initialize_from(self, model_dir: Path) -> None:
         """Warm start: copy every weight of an HF model dir built from the same preset."""
-        source = load_model(model_dir, show_progress=False).state_dict()
-        own = self.model.state_dict()
-        missing, unexpected = sorted(set(own) - set(source)), sorted(set(source) - set(own))
-        mismatched = [f"{name} {tuple(source[name].shape)} != {tuple(t.shape)}" for name, t in own.items()
-                      if name in source and source[name].shape != t.shape]
-        if missing or unexpected or mismatched:
-            raise ValueError(f"--init-from {model_dir} does not match preset {self.args.preset!r}: missing "
-                             f"{missing[:4]}, unexpected {unexpected[:4]}, shapes {mismatched[:4]}")
-        self.model.load_state_dict(source)
+        try:
+            self.model.load_state_dict(load_model(model_dir, show_progress=False).state_dict())
+        except RuntimeError as error:  # torch lists the missing, unexpected and mis-shaped tensors
+            raise ValueError(f"--init-from {model_dir} does not match preset {self.args.preset!r}: {error}") from None
         log.info("initialized %s from %s", self.out, model_dir)
 
     def train_step(self) -> dict:
