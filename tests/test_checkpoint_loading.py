@@ -1,14 +1,20 @@
 """DeepSeek checkpoints in the released layout: FP8 block-scaled weights, the MTP layer stored as
-model.layers.{num_hidden_layers}.*, and clear errors for bad checkpoints."""
+model.layers.{num_hidden_layers}.*, and clear errors for bad checkpoints and damaged files."""
 import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
 from moespec.models import WeightError, load_config, load_model
+from moespec.models.weights import WeightLoader
 from reference import paged_forward, randomize_routing
 
 L = 2  # target layers; the MTP layer is model.layers.2
@@ -229,3 +235,124 @@ def test_expert_shape_mismatch_is_named(fp8_checkpoint, tmp_path):
     bad = corrupt(fp8_checkpoint[0], tmp_path, lambda t: (t.pop(name + "_scale_inv"), t.update({name: torch.ones(5, 5)})))
     with pytest.raises(WeightError, match=r"experts\.3\.down_proj\.weight.*\(5, 5\)"):
         load_model(bad, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A small single-file checkpoint, copied by each test before it damages it."""
+    from tiny_models import save_tiny_llama
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_llama(path)
+    return path
+
+
+def damaged_copy(src: Path, tmp_path: Path, damage) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def truncate(path: Path) -> None:
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def huge_header_length(path: Path) -> None:
+    file = path / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", 2 ** 60) + file.read_bytes()[8:])
+
+
+def garbage_header(path: Path) -> None:
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    file.write_bytes(data[:8] + b"#" * n + data[8 + n:])
+
+
+def directory_as_file(path: Path) -> None:
+    (path / "extra.safetensors").mkdir()
+
+
+def shard(path: Path) -> None:
+    """Rewrite a single-file checkpoint as two shards and an index."""
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(path / file))
+    index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("damage, file, problem", [
+    (truncate, "model.safetensors", "is truncated: "),
+    (huge_header_length, "model.safetensors", "has a corrupt header: "),
+    (garbage_header, "model.safetensors", "has a corrupt header: "),
+    (directory_as_file, "extra.safetensors", "is not a file"),
+])
+def test_damaged_safetensors_file_is_named(tiny_checkpoint, tmp_path, damage, file, problem):
+    path = damaged_copy(tiny_checkpoint, tmp_path, damage)
+    with pytest.raises(WeightError) as error:
+        load_model(path, show_progress=False)
+    assert f"checkpoint file {path / file} {problem}" in str(error.value)
+
+
+def test_truncated_file_error_says_how_short_and_keeps_the_original_error(tiny_checkpoint, tmp_path):
+    path = damaged_copy(tiny_checkpoint, tmp_path, truncate)
+    size = (tiny_checkpoint / "model.safetensors").stat().st_size
+    with pytest.raises(WeightError, match=rf"is truncated: {size // 2} bytes, its header describes {size} \(.+\)$"):
+        load_model(path, show_progress=False)
+
+
+def test_missing_shard_is_named_before_any_tensor_is_read(tiny_checkpoint, tmp_path):
+    path = damaged_copy(tiny_checkpoint, tmp_path, shard)
+    load_model(path, show_progress=False)  # the sharded copy itself is fine
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    count = sum(f == "model-00002-of-00002.safetensors" for f in weight_map.values())
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(WeightError) as error:
+        WeightLoader(path, torch.float32)
+    assert str(error.value) == (f"model.safetensors.index.json lists model-00002-of-00002.safetensors "
+                                f"({count} tensors), which is not in {path}")
+
+
+@pytest.mark.parametrize("text", ["{\"weight_map\": {", "{\"metadata\": {}}", "[]"])
+def test_corrupt_index_is_named(tiny_checkpoint, tmp_path, text):
+    path = damaged_copy(tiny_checkpoint, tmp_path, shard)
+    (path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(WeightError, match=str(path / "model.safetensors.index.json")):
+        load_model(path, show_progress=False)
+
+
+def test_tensor_absent_from_its_indexed_shard_is_named(tiny_checkpoint, tmp_path):
+    path = damaged_copy(tiny_checkpoint, tmp_path, shard)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = next(n for n, f in index["weight_map"].items() if f == "model-00002-of-00002.safetensors")
+    index["weight_map"][name] = "model-00001-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightError) as error:
+        load_model(path, show_progress=False)
+    assert f"checkpoint file {path / 'model-00001-of-00002.safetensors'} has no tensor {name!r}" in str(error.value)
+
+
+def test_invalid_config_json_names_file_line_and_column(tiny_checkpoint, tmp_path):
+    path = damaged_copy(tiny_checkpoint, tmp_path, lambda p: (p / "config.json").write_text(
+        '{\n  "model_type": "llama",,\n  "hidden_size": 64\n}\n'))
+    with pytest.raises(WeightError) as error:
+        load_model(path, show_progress=False)
+    assert str(error.value) == f"{path / 'config.json'} is not valid JSON: Expecting property name enclosed in " \
+                               "double quotes at line 2, column 25"
+
+
+def test_cli_reports_truncated_checkpoint_in_one_line(tiny_checkpoint, tmp_path):
+    path = damaged_copy(tiny_checkpoint, tmp_path, truncate)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  path: {path}\n  dtype: float32\ncache:\n  page_size: 4\n  num_kv_pages: 64\n")
+    result = subprocess.run([sys.executable, "-m", "moespec", "generate", "--config", str(config), "--prompt", "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("moespec: error: ")]
+    assert len(errors) == 1 and str(path / "model.safetensors") in errors[0] and "truncated" in errors[0]
