@@ -4,10 +4,15 @@
   SLURM_* variables (no cluster needed; in the default suite).
 - A real one-node slurm cluster (munge + slurmctld + slurmd, all under a temp dir) that runs
   `sbatch launch/slurm/cpu-test.sbatch` with 2 tasks (and llama-draft.sbatch on the tiny Llama pair,
-  and deepseek-v3-ep.sbatch cut down to one node of 2 CPU ranks), then asks the leader for a
-  completion. It installs Debian's slurm-wlm and munge when they are missing (root only) and
-  skips, with the reason, when slurm cannot be installed or started here. It runs in the default
-  suite (about 45 s), so CI exercises the launch scripts for real.
+  and deepseek-v3-ep.sbatch cut down to one node of 2 CPU ranks), then asks the leader for a greedy
+  completion and checks that its text and token count equal a single-process run of the same
+  config (same overrides, parallel.ep_size=1) in this process. It runs in the default suite
+  (about 45 s a case).
+
+The test installs nothing: CI's `.ci/run` installs Debian's slurm-wlm and munge (as root) and sets
+CI=true. Where slurm/munge are missing, will not start, or we are not root, the cluster cases
+skip with the reason, except under CI=true (or 1), where they fail instead, so CI cannot pass
+without having run the launch scripts for real.
 """
 from __future__ import annotations
 
@@ -22,10 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple, NoReturn
 
 import pytest
 
+from moespec.config import load_config, parse_override
+from moespec.llm import LLM
 from moespec.parallel.groups import read_launch_env
+from moespec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM_DIR = ROOT / "launch" / "slurm"
@@ -101,8 +110,7 @@ def test_sbatch_templates_are_valid_bash():
 
 # --- a real one-node slurm cluster ---------------------------------------------------------------
 
-SLURM_PACKAGES = ["slurm-wlm", "munge"]
-NEEDED = ["munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "mungekey"]
+NEEDED = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo"]
 
 
 def free_port() -> int:
@@ -115,26 +123,28 @@ def find_tool(name: str) -> str | None:
     return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.path.exists(p)), None)
 
 
-def ensure_slurm_installed() -> None:
-    if all(find_tool(t) for t in NEEDED):
-        return
-    if os.geteuid() != 0:
-        pytest.skip("slurm/munge are not installed and installing them needs root (apt-get)")
-    if shutil.which("apt-get") is None:
-        pytest.skip("slurm/munge are not installed and there is no apt-get to install them")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    try:
-        update = subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, text=True, timeout=300)
-        install = subprocess.run(["apt-get", "install", "-y", "-qq", *SLURM_PACKAGES], env=env,
-                                 capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as e:
-        pytest.skip(f"installing {' '.join(SLURM_PACKAGES)} with apt-get timed out: {e}")
-    if install.returncode != 0:
-        pytest.skip(f"apt-get could not install {' '.join(SLURM_PACKAGES)}: "
-                    f"{(update.stderr + install.stderr).strip()[-500:]}")
-    missing = [t for t in NEEDED if not find_tool(t)]
+def missing_tools() -> list[str]:
+    return [t for t in NEEDED if not find_tool(t)]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def cannot_run(reason: str) -> NoReturn:
+    """No cluster here: a skip with the reason, or a failure under CI=true, where it must run."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI={os.environ['CI']}: the slurm cluster test must run in CI)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_slurm() -> None:
+    missing = missing_tools()
     if missing:
-        pytest.skip(f"after installing {' '.join(SLURM_PACKAGES)}, still missing: {', '.join(missing)}")
+        cannot_run(f"slurm/munge are not installed (missing {', '.join(missing)}); "
+                   "`apt-get install slurm-wlm munge` as root, as CI's .ci/run does")
+    if os.geteuid() != 0:
+        cannot_run("this one-node cluster runs slurmctld/slurmd/munged as root (SlurmUser=root); not root here")
 
 
 def write_cluster(tmp: Path, ctld_port: int, slurmd_port: int) -> tuple[Path, Path]:
@@ -233,25 +243,78 @@ def test_rank_script_puts_each_rank_on_its_own_gpu():
     assert resolved["COMMAND"].endswith("serve --set model.device=cuda:5")
 
 
-CASES = {  # sbatch file -> (sbatch options, environment at submit time)
-    "cpu-test.sbatch": (["--ntasks=2"], {}),
+class Case(NamedTuple):
+    sbatch_args: list[str]      # sbatch options
+    submit_env: dict[str, str]  # environment at submit time
+    config: str                 # the config the job serves
+    script_sets: str            # the overrides the sbatch file itself passes with --set (before MOESPEC_SET)
+
+
+CASES = {
+    "cpu-test.sbatch": Case(["--ntasks=2"], {}, "configs/tiny-deepseek-mtp-ep2.yaml", ""),
     # the single-node draft-target template, on the tiny Llama pair and without the GPU/memory request
-    "llama-draft.sbatch": (["--gpus-per-node=0", "--mem=1G", "--cpus-per-task=1"],
-                           {"MOESPEC_CONFIG": "configs/tiny-llama-draft.yaml", "MOESPEC_HOST": "127.0.0.1",
-                            "MOESPEC_SET": "model.device=cpu"}),
+    "llama-draft.sbatch": Case(["--gpus-per-node=0", "--mem=1G", "--cpus-per-task=1"],
+                               {"MOESPEC_CONFIG": "configs/tiny-llama-draft.yaml", "MOESPEC_HOST": "127.0.0.1",
+                                "MOESPEC_SET": "model.device=cpu"},
+                               "configs/tiny-llama-draft.yaml", "speculation.mode=draft"),
     # the N-node EP template cut down to one node x 2 CPU ranks: tiny MoE checkpoint, gloo, no GPUs
-    "deepseek-v3-ep.sbatch": (["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"],
-                              {"MOESPEC_CONFIG": "configs/tiny-deepseek-mtp-ep2.yaml", "MOESPEC_HOST": "127.0.0.1",
-                               "MOESPEC_DEVICE_PER_RANK": "", "MOESPEC_SET": "parallel.dist_backend=gloo "
-                               "parallel.moe_backend=torch model.device=cpu model.attention_backend=torch"}),
+    "deepseek-v3-ep.sbatch": Case(["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"],
+                                  {"MOESPEC_CONFIG": "configs/tiny-deepseek-mtp-ep2.yaml", "MOESPEC_HOST": "127.0.0.1",
+                                   "MOESPEC_DEVICE_PER_RANK": "", "MOESPEC_SET": "parallel.dist_backend=gloo "
+                                   "parallel.moe_backend=torch model.device=cpu model.attention_backend=torch"},
+                                  "configs/tiny-deepseek-mtp-ep2.yaml",
+                                  "parallel.ep_size=2 parallel.dist_backend=nccl speculation.mode=mtp"),
 }
+
+PROMPT, MAX_TOKENS = "def fibonacci(n):", 16
+REFERENCES: dict[str, tuple[str, int]] = {}  # repr(config) -> (text, completion tokens) of one process
+
+
+def reference_overrides(case: Case) -> dict:
+    sets = case.script_sets.split() + case.submit_env.get("MOESPEC_SET", "").split()
+    overrides = dict(parse_override(kv) for kv in sets)
+    overrides["parallel.ep_size"] = 1  # one process holds every expert
+    return overrides
+
+
+def single_process_completion(case: Case) -> tuple[str, int]:
+    """The greedy completion of the case's config run in this process, computed once per config."""
+    config = load_config(ROOT / case.config, reference_overrides(case))
+    key = repr(config)
+    if key not in REFERENCES:
+        llm = LLM(config=config)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        finally:
+            llm.close()
+        REFERENCES[key] = (out.text, len(out.token_ids))
+    return REFERENCES[key]
+
+
+@pytest.mark.parametrize("ci", [None, "", "false", "0"])
+def test_missing_slurm_skips_outside_ci(monkeypatch, ci):
+    monkeypatch.setitem(globals(), "missing_tools", lambda: ["slurmctld"])
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    with pytest.raises(pytest.skip.Exception, match="missing slurmctld"):
+        require_slurm()
+
+
+@pytest.mark.parametrize("ci", ["true", "True", "TRUE", "1"])
+def test_missing_slurm_fails_in_ci(monkeypatch, ci):
+    monkeypatch.setitem(globals(), "missing_tools", lambda: ["slurmctld"])
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(pytest.fail.Exception, match="missing slurmctld.*must run in CI"):
+        require_slurm()
 
 
 @pytest.mark.parametrize("sbatch_file", list(CASES))
 def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
-    ensure_slurm_installed()
-    if os.geteuid() != 0:
-        pytest.skip("this one-node cluster runs slurmctld/slurmd/munged as root (SlurmUser=root); not root here")
+    require_slurm()
+    case = CASES[sbatch_file]
     tmp = tmp_path / "cluster"
     conf, munge_socket = write_cluster(tmp, free_port(), free_port())
     key = tmp / "munge" / "munge.key"
@@ -265,11 +328,10 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
     def start(cmd: list[str], what: str) -> None:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
-            pytest.skip(f"{what} would not start here: {(out.stderr or out.stdout).strip()[-800:]}")
+            cannot_run(f"{what} would not start here: {(out.stderr or out.stdout).strip()[-800:]}")
 
     try:
-        subprocess.run([find_tool("mungekey"), "--create", "--force", f"--keyfile={key}"], check=True,
-                       capture_output=True, timeout=60)
+        start([find_tool("mungekey"), "--create", "--force", f"--keyfile={key}"], "mungekey")
         os.chmod(key, 0o400)
         start([find_tool("munged"), "--force", f"--socket={munge_socket}", f"--key-file={key}",
                f"--pid-file={tmp / 'munge' / 'munged.pid'}", f"--log-file={tmp / 'munge' / 'munged.log'}",
@@ -284,17 +346,16 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
             if out.returncode == 0 and state and state.rstrip("*") in ("idle", "mixed", "allocated"):
                 break
             if time.monotonic() > deadline:
-                pytest.skip(f"slurm started but its node never came up (sinfo: {state!r} {out.stderr.strip()}); "
+                cannot_run(f"slurm started but its node never came up (sinfo: {state!r} {out.stderr.strip()}); "
                             f"slurmctld log: {tail(tmp / 'log' / 'slurmctld.log', 800)} "
                             f"slurmd log: {tail(tmp / 'log' / 'slurmd.log', 800)}")
             time.sleep(1)
 
         port = free_port()
         log_dir = tmp / "moespec-logs"
-        sbatch_args, submit_env = CASES[sbatch_file]
         job_env = dict(env, MOESPEC_PORT=str(port), MOESPEC_LOG_DIR=str(log_dir), MASTER_PORT=str(free_port()),
-                       MOESPEC_HOME=str(ROOT), **submit_env)
-        sub = subprocess.run(["sbatch", "--parsable", f"--output={tmp / 'job-%j.out'}", *sbatch_args,
+                       MOESPEC_HOME=str(ROOT), **case.submit_env)
+        sub = subprocess.run(["sbatch", "--parsable", f"--output={tmp / 'job-%j.out'}", *case.sbatch_args,
                               str(SLURM_DIR / sbatch_file)],
                              env=job_env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert sub.returncode == 0, f"sbatch failed: {sub.stderr}"
@@ -320,16 +381,17 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
                             f"{tail(tmp / f'job-{job_id}.out')}\n{logs}")
             time.sleep(1)
 
-        body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
         request = urllib.request.Request(f"{base}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as r:
             answer = json.loads(r.read())
         choice = answer["choices"][0]
-        assert choice["text"].strip(), answer
-        assert choice["finish_reason"] in ("length", "stop"), answer
+        assert choice["finish_reason"] == "length", answer
         assert "speculation" in answer["usage"], answer
-        assert answer["usage"]["completion_tokens"] > 0, answer
+        # the job's ranks (and speculation) produce exactly what one process does with the same config
+        text, num_tokens = single_process_completion(case)
+        assert (choice["text"], answer["usage"]["completion_tokens"]) == (text, num_tokens), answer
 
         # the leader said where it serves, and each rank has its own log
         ntasks = 1 if sbatch_file == "llama-draft.sbatch" else 2
