@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Iterator
 
 import torch
@@ -25,7 +26,7 @@ from moespec.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-STOP, TARGET, MTP = 0, 1, 2
+STOP, TARGET, MTP, NOOP = 0, 1, 2, 3  # NOOP: the leader is idle but alive (followers' waits would time out)
 HEADER = 6  # op, reuse_target (hidden + plan of the previous target forward), batch len, ids len, hidden rows, cols
 
 
@@ -34,6 +35,7 @@ class RankSync:
 
     def __init__(self, ctx, runtime) -> None:
         self.ctx, self.runtime = ctx, runtime
+        self.last_announce = time.monotonic()
 
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:
@@ -53,6 +55,7 @@ class RankSync:
         ids = ids.to(torch.int64).cpu() if ids is not None else torch.zeros(0, dtype=torch.int64)
         rows, cols = hidden.shape if hidden is not None else (0, 0)
         reuse = int(op == MTP and hidden is None)
+        self.last_announce = time.monotonic()
         send(torch.tensor([op, reuse, packed.numel(), ids.numel(), rows, cols]), self.ctx)
         for part in (packed, ids) + ((hidden.float().contiguous(),) if hidden is not None else ()):
             if part.numel():
@@ -60,6 +63,11 @@ class RankSync:
 
     def stop(self) -> None:
         self.announce(STOP)
+
+    def keep_alive(self, interval_s: float) -> None:
+        """Tell idle followers the leader lives, at least every interval_s (below the collective timeout)."""
+        if time.monotonic() - self.last_announce > interval_s:
+            self.announce(NOOP)
 
 
 def send(tensor: torch.Tensor, ctx) -> torch.Tensor:
@@ -88,6 +96,8 @@ def follow(config: EngineConfig, ctx, runtime, model=None) -> None:
         op, reuse, n_batch, n_ids, rows, cols = receive((HEADER,), torch.int64, ctx).tolist()
         if op == STOP:
             return
+        if op == NOOP:
+            continue
         batch = Batch.unpack(receive((n_batch,), torch.int64, ctx).cpu()).to(runner.device)
         with torch.inference_mode(), runtime.step(batch.qo_indptr):
             if op == TARGET:
@@ -109,6 +119,7 @@ class Ranks:
 
     def __init__(self, ctx, runtime) -> None:
         self.ctx, self.runtime = ctx, runtime
+        self.last_announce = time.monotonic()
 
     def close(self) -> None:
         from moespec.parallel import destroy

@@ -24,10 +24,11 @@ from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
 from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
-                              greedy_tokens, make_generator)
+                              exact_tokens, greedy_tokens)
 from moespec.scheduler import Scheduler, SchedulerOutput
 from moespec.sequence import Sequence, Status, TokenLogprob
-from moespec.speculation import DraftRows, create_speculator, verify_greedy, verify_lossless, verify_relaxed
+from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
+                                 verify_relaxed)
 from moespec.speculation.adaptive import SpeculationPolicy
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
         self.stats = StepStats()
         self.ids = itertools.count()
+        self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
 
     def attach_ranks(self, ranks) -> None:
         """Every forward with MoE layers (target, built-in MTP) runs on all ranks in lockstep."""
@@ -137,6 +139,13 @@ class Engine:
             self.runner.sync.stop()
             self.ranks.close()
             self.ranks = None
+
+    def keep_alive(self) -> None:
+        """Between steps of an idle server: keep followers' waits for the next forward from timing out."""
+        if self.runner.sync is not None:
+            self.phase = "keep-alive message to the other ranks"
+            self.runner.sync.keep_alive(self.config.parallel.timeout_s / 4)
+            self.phase = "idle"
 
     def resolve_max_model_len(self) -> int:
         model_max = self.model.config.max_position_embeddings
@@ -179,8 +188,7 @@ class Engine:
         request_id = request_id or f"req-{next(self.ids)}"
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already running")
-        seq = Sequence(request_id, prompt_ids, params, make_generator(params.seed),
-                       prompt=prompt if isinstance(prompt, str) else None)
+        seq = Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
         seq.metrics.num_prompt_tokens = len(prompt_ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
@@ -201,6 +209,13 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> EngineOutputs:
+        try:
+            return self.run_step()
+        finally:
+            self.phase = "idle"
+
+    def run_step(self) -> EngineOutputs:
+        self.phase = "schedule"
         prepared = self.prepare()
         if prepared is None:
             return EngineOutputs()
@@ -210,6 +225,7 @@ class Engine:
         result = self.execute(prepared)
         device_s = time.perf_counter() - start
         start = time.perf_counter()
+        self.phase = "postprocess"
         outputs = self.postprocess(prepared, result)
         host_s = prepared.host_s + time.perf_counter() - start
         self.record(prepared, host_s, device_s)
@@ -251,13 +267,14 @@ class Engine:
 
     def build_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                   [s.output_ids for s in seqs], [s.generator for s in seqs], self.vocab_size,
-                                   self.runner.device, eos_token_ids=tuple(self.eos_ids),
-                                   shared_generator=self.generator)
+                                   [s.output_ids for s in seqs], self.vocab_size, self.runner.device,
+                                   eos_token_ids=tuple(self.eos_ids), shared_generator=self.generator)
 
     def execute(self, prepared: PreparedStep) -> SamplerOutput:
+        self.phase = f"target forward ({prepared.batch.mode})"
         hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
         self.speculator.observe(prepared.batch, hidden)
+        self.phase = "sampling"
         return self.sampler(logits, prepared.sampling)
 
     # ------------------------------------------------------------------ speculative step
@@ -267,16 +284,21 @@ class Engine:
         start = time.perf_counter()
         seqs, k = prepared.sampled, prepared.num_spec
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
+        self.phase = f"{self.speculator.mode} propose"
         proposal = self.speculator.propose(seqs, k, rows)
         batch = self.build_verify_batch(seqs, proposal.tokens)
         ctx = self.runner.plan(batch)
+        self.phase = "target forward (verify)"
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
         self.speculator.observe(batch, hidden)
+        self.phase = "verification"
         target_rows = rows.batch(list(proposal.tokens.unbind(1)), repeat=k + 1)
         result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))
+        self.phase = f"{self.speculator.mode} accept"
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
         # the host reads accepted lengths only now, after the draft re-run was launched
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        self.phase = "postprocess"
         logprobs = self.sampler.gather_logprobs(logits, result.tokens.flatten(), target_rows)
         lengths = [s.num_tokens for s in seqs]
         self.speculator.commit(seqs, lengths, num_accepted, k)
@@ -298,9 +320,9 @@ class Engine:
 
     @staticmethod
     def draw_verify_uniforms(seqs: list[Sequence], rows: DraftRows, k: int) -> torch.Tensor:
-        """[B, k+1] uniforms for acceptance tests and the final token, from each request's own
-        generator; greedy verification needs none (one-hot p and q decide alone)."""
-        if all(s.params.greedy for s in seqs):
+        """[B, k+1] uniforms for acceptance tests and the final token of random rows (rejection
+        sampling); greedy and seeded rows are verified by their exact draws and need none."""
+        if all(s.params.greedy or s.params.seed is not None for s in seqs):
             return torch.zeros(len(seqs), k + 1, dtype=torch.float64, device=rows.device)
         return draw_uniform(rows.batch([]), k + 1)
 
@@ -314,15 +336,23 @@ class Engine:
         return batch
 
     def verify(self, logits: torch.Tensor, target_rows: SamplingBatch, proposal, uniforms: torch.Tensor):
+        """Greedy and seeded rows: the drafts that equal the target's own exact draws (argmax,
+        keyed Gumbel-max), then the target's draw; other rows: rejection sampling."""
         B, k = proposal.tokens.shape
         spec = self.config.speculation
         if target_rows.all_greedy and spec.acceptance == "lossless":
             return verify_greedy(greedy_tokens(logits, target_rows).view(B, k + 1), proposal.tokens)
-        probs = compute_probs(logits, target_rows).view(B, k + 1, -1)
+        probs = compute_probs(logits, target_rows)  # [B*(k+1), V]
         if spec.acceptance == "relaxed":
-            return verify_relaxed(logits.view(B, k + 1, -1), probs, proposal.probs, proposal.tokens, uniforms,
-                                  spec.relaxed_top_n, spec.relaxed_delta)
-        return verify_lossless(probs, proposal.probs, proposal.tokens, uniforms)
+            return verify_relaxed(logits.view(B, k + 1, -1), probs.view(B, k + 1, -1), proposal.probs,
+                                  proposal.tokens, uniforms, spec.relaxed_top_n, spec.relaxed_delta)
+        exact = verify_greedy(exact_tokens(probs, target_rows).view(B, k + 1), proposal.tokens)
+        if not target_rows.random_rows:
+            return exact
+        sampled = verify_lossless(probs.view(B, k + 1, -1), proposal.probs, proposal.tokens, uniforms)
+        is_random = torch.zeros(B * (k + 1), dtype=torch.bool)
+        is_random[list(target_rows.random_rows)] = True
+        return select_rows(is_random.view(B, k + 1)[:, 0].to(probs.device), sampled, exact)
 
     def postprocess(self, prepared: PreparedStep, result: SamplerOutput) -> EngineOutputs:
         for chunk in prepared.scheduled.chunks:

@@ -4,18 +4,28 @@ Kept apart from the models: a model returns logits, the engine builds one `Sampl
 per step and calls the `Sampler`. Speculative verification reuses `compute_probs` (the
 same pure transform on draft and target logits) and `draw_uniform`.
 
+Seeded requests draw with noise keyed by (seed, position): the token at position p is the
+Gumbel-max (exponential race) token argmax_v p(v) / E_v, with E_v = -log u_v and u a hash of
+(seed, p, v). It is an exact sample of p, and a pure function of the request's seed, the
+position and the distribution there, so no batch mate, step boundary, preemption or
+speculation mode can change it: a draft token is accepted exactly when it equals the target's
+own keyed draw (see speculation/verify.py). Unseeded requests draw from the engine's shared
+generator (inverse CDF), and speculation verifies them by rejection sampling.
+
 Shapes: N rows of logits (one per request in a decode step; one per position when
 verifying drafts), V vocab.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 import torch
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -23,7 +33,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0
@@ -49,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def _validate(self) -> None:
         _require(self.n >= 1, "n", self.n, "must be >= 1")
@@ -99,22 +109,65 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"SamplingParams.{name}={value!r}: {rule}")
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """A request's own CPU generator; draws on CPU keep seeded output identical on any device."""
-    if seed is None:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    return generator
+# ---------------------------------------------------------------------- keyed noise
+
+MASK32 = 0xFFFFFFFF
+GUMBEL_STREAM, UNIFORM_STREAM = 0x5EED0001, 0x5EED0002  # separate noise for token draws and acceptance tests
+
+
+def mix32(x: int) -> int:
+    """A bijective 32-bit integer hash (Wellons' lowbias32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A request seed (any integer, taken mod 2^64) -> 32-bit key."""
+    return mix32(mix32((seed & MASK32) ^ 0x9E3779B9) ^ ((seed >> 32) & MASK32))
+
+
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 tensors in [0, 2^32), with no intermediate above 2^49."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """mix32 elementwise on int64 tensors in [0, 2^32): the same bits on every device."""
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def keyed_uniforms(seed_keys: torch.Tensor, positions: torch.Tensor, count: int, stream: int) -> torch.Tensor:
+    """[N, count] float64 in (0, 1): a pure function of (seed key, position, stream, column)."""
+    row = mix32_tensor(seed_keys ^ mix32_tensor((positions & MASK32) ^ stream))  # [N]
+    salt = mix32_tensor(row ^ 0x68E31DA4)  # [N]
+    column = torch.arange(count, dtype=torch.int64, device=row.device)
+    bits = mix32_tensor((mix32_tensor(row[:, None] ^ column) + salt[:, None]) & MASK32)  # [N, count]
+    return (bits.double() + 0.5) * 2.0 ** -32
+
+
+def keyed_gumbel_max(probs: torch.Tensor, seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The exponential race argmax_v probs[v] / -log(u_v), u keyed per row: an exact draw [N]."""
+    exponentials = -keyed_uniforms(seed_keys, positions, probs.shape[-1], GUMBEL_STREAM).log()  # [N,V]
+    return (probs.double() / exponentials).argmax(-1)
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-step tensors for N rows of logits. A transform no row uses is None (skipped)."""
 
-    generators: list[torch.Generator | None]  # per row; None = draw from shared_generator
-    shared_generator: torch.Generator | None  # None = torch's default CPU generator
+    shared_generator: torch.Generator | None  # unseeded rows draw from it; None = torch's default CPU generator
     device: torch.device
+    random_rows: tuple[int, ...]  # rows that are neither greedy nor seeded (host)
+    seeded_index: torch.Tensor | None  # [S] int64 rows with a seed; None when no row has one
+    seed_keys: torch.Tensor | None  # [S] int64 32-bit key of each seeded row's seed
+    positions: torch.Tensor | None  # [S] int64 position of the token each seeded row draws
     greedy: torch.Tensor | None  # [N] bool, None when no row is greedy
     all_greedy: bool
     temperature: torch.Tensor | None  # [N] float32, 1.0 on greedy rows
@@ -137,17 +190,16 @@ class SamplingBatch:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
-        generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         shared_generator: torch.Generator | None = None,
     ) -> SamplingBatch:
+        """Row i samples the token at position len(prompt_ids[i]) + len(output_ids[i])."""
         N, V, device = len(params), vocab_size, torch.device(device)
-        if not len(prompt_ids) == len(output_ids) == len(generators) == N:
-            raise ValueError(
-                f"SamplingBatch.build needs one entry per row: got {N} params, {len(prompt_ids)} prompts, "
-                f"{len(output_ids)} outputs, {len(generators)} generators")
+        if not len(prompt_ids) == len(output_ids) == N:
+            raise ValueError(f"SamplingBatch.build needs one entry per row: got {N} params, {len(prompt_ids)} "
+                             f"prompts, {len(output_ids)} outputs")
         _check_token_ids(params, V)
         greedy = [p.greedy for p in params]
         sampled = [p for p in params if not p.greedy]
@@ -157,10 +209,15 @@ class SamplingBatch:
         needs_counts = [f != 0 or q != 0 for f, q in zip(freq, pres)]
         # Greedy rows become one-hots later; k = 1 keeps them from widening the top-k pass.
         top_ks = [1 if g else min(p.top_k, V) if p.top_k > 0 else V for p, g in zip(params, greedy)]
+        seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
         return cls(
-            generators=list(generators),
             shared_generator=shared_generator,
             device=device,
+            random_rows=tuple(row for row, p in enumerate(params) if p.seed is None and not p.greedy),
+            seeded_index=_row_tensor(seeded, torch.int64, device) if seeded else None,
+            seed_keys=_row_tensor([seed_key(params[r].seed) for r in seeded], torch.int64, device) if seeded else None,
+            positions=_row_tensor([len(prompt_ids[r]) + len(output_ids[r]) for r in seeded], torch.int64, device)
+            if seeded else None,
             greedy=_row_tensor(greedy, torch.bool, device) if any(greedy) else None,
             all_greedy=all(greedy),
             temperature=_optional_row_tensor(
@@ -179,6 +236,13 @@ class SamplingBatch:
             banned=_banned_tokens(params, output_ids, eos_token_ids, device),
             num_logprobs=tuple(p.logprobs for p in params),
         )
+
+
+    def advanced(self, steps: int) -> SamplingBatch:
+        """The same rows, each drawing the token `steps` positions further on (a draft chain)."""
+        if self.positions is None or steps == 0:
+            return self
+        return replace(self, positions=self.positions + steps)
 
 
 def _check_token_ids(params: list[SamplingParams], vocab_size: int) -> None:
@@ -250,9 +314,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.logit_bias is not None:
         logits = logits + batch.logit_bias
     if batch.seen is not None:
-        penalty = batch.repetition_penalty.unsqueeze(1)  # [N,1]
+        penalty = batch.repetition_penalty.unsqueeze(1).clamp(min=torch.finfo(torch.float32).tiny)  # [N,1]
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(batch.seen, penalized, logits)
+        logits = keep_finite(torch.where(batch.seen, penalized, logits))
     if batch.output_counts is not None:
         counts = batch.output_counts
         logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
@@ -260,6 +324,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     return logits
+
+
+def keep_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Overflow to +inf (an extreme penalty or temperature) becomes the largest float, so that a
+    softmax stays a distribution; -inf (masked tokens) stays."""
+    return logits.nan_to_num(nan=float("-inf"), posinf=FLOAT32_MAX, neginf=float("-inf"))
 
 
 def greedy_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -280,7 +350,7 @@ def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return one_hot_argmax(logits)
     one_hot = one_hot_argmax(logits) if batch.greedy is not None else None
     if batch.temperature is not None:
-        logits = logits / batch.temperature.unsqueeze(1)
+        logits = keep_finite(logits / batch.temperature.unsqueeze(1))
     if batch.top_k is not None:
         logits = mask_top_k(logits, batch.top_k, batch.max_top_k)
     if batch.top_p is not None:
@@ -308,8 +378,10 @@ def mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [N,V]
     sorted_probs = sorted_logits.softmax(-1)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    # top_p = 1 rows drop nothing, even where rounding pushes the cumulative mass to 1.
+    # top_p = 1 rows drop nothing, even where rounding pushes the cumulative mass to 1; the most
+    # probable token always stays, however small top_p is.
     drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)  # back to vocab order
     return logits.masked_fill(drop, float("-inf"))
 
@@ -322,25 +394,40 @@ def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def draw_uniform(batch: SamplingBatch, count: int) -> torch.Tensor:
-    """[N,count] float64 uniforms in [0,1): seeded rows from their own generator, in row order."""
-    uniforms = torch.empty(len(batch.generators), count, dtype=torch.float64)
-    unseeded = [row for row, g in enumerate(batch.generators) if g is None]
-    if unseeded:
-        uniforms[unseeded] = torch.rand(len(unseeded), count, generator=batch.shared_generator,
-                                        dtype=torch.float64)
-    for row, generator in enumerate(batch.generators):
-        if generator is not None:
-            uniforms[row] = torch.rand(count, generator=generator, dtype=torch.float64)
-    return uniforms.to(batch.device)
+    """[N,count] float64 uniforms in [0,1): random rows from the shared generator, seeded rows
+    keyed by (seed, position, column), greedy rows 0 (their one-hot distributions need none)."""
+    uniforms = torch.zeros(len(batch.num_logprobs), count, dtype=torch.float64)
+    if batch.random_rows:
+        uniforms[list(batch.random_rows)] = torch.rand(len(batch.random_rows), count,
+                                                       generator=batch.shared_generator, dtype=torch.float64)
+    uniforms = uniforms.to(batch.device)
+    if batch.seeded_index is not None:
+        keyed = keyed_uniforms(batch.seed_keys, batch.positions, count, UNIFORM_STREAM)
+        uniforms = uniforms.index_copy(0, batch.seeded_index, keyed)
+    return uniforms
 
 
 def sample(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Tokens [N] int64: argmax on greedy rows, one inverse-CDF draw per random row."""
-    greedy_tokens = probs.argmax(-1)
-    if batch.all_greedy:
-        return greedy_tokens
-    random_tokens = invert_cdf(probs, draw_uniform(batch, 1).squeeze(1))
-    return random_tokens if batch.greedy is None else torch.where(batch.greedy, greedy_tokens, random_tokens)
+    """Tokens [N] int64: argmax on greedy rows, the keyed Gumbel-max on seeded rows, one
+    inverse-CDF draw from the shared generator on the other rows."""
+    tokens = probs.argmax(-1)
+    if batch.random_rows:
+        random_tokens = invert_cdf(probs, draw_uniform(batch, 1).squeeze(1))
+        tokens = random_tokens if batch.greedy is None else torch.where(batch.greedy, tokens, random_tokens)
+    return place_keyed_draws(probs, batch, tokens)
+
+
+def exact_tokens(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[N] what each greedy or seeded row draws, a function of its distribution alone (argmax,
+    keyed Gumbel-max); other rows get their argmax."""
+    return place_keyed_draws(probs, batch, probs.argmax(-1))
+
+
+def place_keyed_draws(probs: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> torch.Tensor:
+    if batch.seeded_index is None:
+        return tokens
+    keyed = keyed_gumbel_max(probs.index_select(0, batch.seeded_index), batch.seed_keys, batch.positions)
+    return tokens.index_copy(0, batch.seeded_index, keyed)
 
 
 def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

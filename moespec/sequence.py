@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from moespec.sampling import SamplingParams
 
 
@@ -59,7 +57,6 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)

@@ -68,3 +68,38 @@ def test_engine_refuses_ep_without_ranks(checkpoint):
     from moespec.engine import Engine
     with pytest.raises(ValueError, match="run_as_rank"):
         Engine(engine_config(checkpoint, 2))
+
+
+def idle_rank_main(rank: int, path: str, idle_s: float):
+    """The leader sits idle (as a server between requests) for longer than the collective
+    timeout, keeping its followers alive, then serves."""
+    import time
+    from moespec.distributed import follow, join_ranks
+    from moespec.engine import Engine
+    config = build_config({"model": {"path": path}, "cache": {"page_size": 4, "num_kv_pages": 128},
+                           "speculation": SPEC, "parallel": {"ep_size": 2, "timeout_s": 2}})
+    ranks = join_ranks(config)
+    if not ranks.ctx.leader:
+        try:
+            follow(config, ranks.ctx, ranks.runtime)
+        finally:
+            ranks.close()
+        return None
+    engine = Engine(config, ranks=ranks)
+    try:
+        deadline = time.monotonic() + idle_s
+        while time.monotonic() < deadline:
+            engine.keep_alive()
+            time.sleep(0.05)
+        return generate(engine)
+    finally:
+        engine.close()
+
+
+def test_idle_leader_keeps_its_followers(checkpoint):
+    from moespec.engine import Engine
+    expected, _ = generate(Engine(engine_config(checkpoint, 1)))
+    results = run_ranks(idle_rank_main, 2, checkpoint, 5.0, timeout_s=120)
+    for result in results:
+        assert result.error is None, result.error
+    assert results[0].value[0] == expected

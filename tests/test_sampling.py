@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -13,20 +14,23 @@ from moespec.sampling import (
     compute_probs,
     draw_uniform,
     invert_cdf,
-    make_generator,
+    keyed_uniforms,
+    mix32,
+    mix32_tensor,
     sample,
+    seed_key,
 )
+from moespec.sampling import UNIFORM_STREAM
 
 EOS = 0
 
 
-def build(params, logits, prompts=None, outputs=None, generators=None, shared=None):
+def build(params, logits, prompts=None, outputs=None, shared=None):
     N, V = logits.shape
     return SamplingBatch.build(
         params,
         prompts if prompts is not None else [[] for _ in range(N)],
         outputs if outputs is not None else [[] for _ in range(N)],
-        generators if generators is not None else [make_generator(p.seed) for p in params],
         V, "cpu", eos_token_ids=[EOS], shared_generator=shared)
 
 
@@ -204,37 +208,54 @@ def test_penalties_do_not_modify_the_input_and_accept_bf16():
 # --- seeds and uniforms ------------------------------------------------------------------------
 
 def generate(target_row, mates, steps, logits):
-    """Sample `steps` tokens for SamplingParams(seed=1234) placed at target_row among `mates`."""
+    """Sample `steps` tokens for SamplingParams(seed=1234) placed at target_row among `mates`;
+    each row's outputs grow by its own draws."""
     params = list(mates)
     params.insert(target_row, SamplingParams(seed=1234, temperature=1.2, top_p=0.95))
-    generators = [make_generator(p.seed) for p in params]
     shared = torch.Generator().manual_seed(len(mates))
-    tokens = []
+    outputs = [[] for _ in params]
     for _ in range(steps):
-        batch = build(params, logits[:len(params)], generators=generators, shared=shared)
-        tokens.append(int(sample(compute_probs(logits[:len(params)], batch), batch)[target_row]))
-    return tokens
+        batch = build(params, logits[:len(params)], prompts=[[1, 2, 3]] * len(params), outputs=outputs, shared=shared)
+        for row, token in enumerate(sample(compute_probs(logits[:len(params)], batch), batch).tolist()):
+            outputs[row].append(token)
+    return outputs[target_row]
 
 
 def test_seeded_request_is_independent_of_batch_mates_and_position():
     row = random_logits(1, 50, seed=7)
     mates = [SamplingParams(seed=5), SamplingParams(), SamplingParams(temperature=0.5), SamplingParams(seed=99)]
     alone = generate(0, [], 12, row.repeat(5, 1))
+    assert len(set(alone)) > 3  # each position draws with its own noise
     for position in (0, 2, 4):
         logits = random_logits(5, 50, seed=position)
         logits[position] = row
         assert generate(position, mates, 12, logits) == alone
     other_seed = SamplingParams(seed=4321, temperature=1.2, top_p=0.95)
-    batch = build([other_seed], row)
-    assert [int(sample(compute_probs(row, batch), batch)) for _ in range(12)] != alone
+    outputs = []
+    for _ in range(12):
+        batch = build([other_seed], row, prompts=[[1, 2, 3]], outputs=[outputs])
+        outputs.append(int(sample(compute_probs(row, batch), batch)))
+    assert outputs != alone
 
 
-def test_draw_uniform_uses_each_rows_generator():
-    params = [SamplingParams(seed=3), SamplingParams(), SamplingParams(seed=8)]
-    u = draw_uniform(build(params, torch.zeros(3, 4)), 5)
-    assert u.shape == (3, 5) and ((u >= 0) & (u < 1)).all()
-    assert torch.equal(u[0], torch.rand(5, generator=make_generator(3), dtype=torch.float64))
-    assert torch.equal(u[2], torch.rand(5, generator=make_generator(8), dtype=torch.float64))
+def test_keyed_hash_is_the_same_on_tensors_and_ints():
+    values = [0, 1, 2**31, MASK := 2**32 - 1, 123456789, 0xDEADBEEF]
+    assert mix32_tensor(torch.tensor(values)).tolist() == [mix32(v) for v in values]
+    assert len({mix32(v) for v in range(100_000)}) == 100_000  # a bijection: no collisions
+    assert seed_key(-1) != seed_key(2**32 - 1) and 0 <= seed_key(-2**63) <= MASK
+
+
+def test_draw_uniform_keys_seeded_rows_by_seed_and_position():
+    params = [SamplingParams(seed=3), SamplingParams(), SamplingParams(seed=8), SamplingParams(temperature=0, seed=4)]
+    batch = build(params, torch.zeros(4, 4), outputs=[[1] * 5, [], [2] * 9, []], shared=torch.Generator().manual_seed(0))
+    u = draw_uniform(batch, 5)
+    assert u.shape == (4, 5) and ((u >= 0) & (u < 1)).all() and (u[3] == 0).all()  # greedy rows need none
+    for row, seed, position in ((0, 3, 5), (2, 8, 9)):
+        expected = keyed_uniforms(torch.tensor([seed_key(seed)]), torch.tensor([position]), 5, UNIFORM_STREAM)[0]
+        assert torch.equal(u[row], expected)
+    again = draw_uniform(build(params[2:3], torch.zeros(1, 4), outputs=[[7] * 9]), 5)
+    assert torch.equal(again[0], u[2])  # alone, with other outputs of the same length: the same noise
+    assert not torch.equal(draw_uniform(build(params[2:3], torch.zeros(1, 4), outputs=[[7] * 10]), 5)[0], u[2])
 
 
 def test_invert_cdf_never_picks_zero_probability_tokens():
@@ -282,12 +303,16 @@ CHI_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CHI_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-@pytest.mark.parametrize("seeded", [False, True], ids=["shared-generator", "per-row-seeds"])
-def test_samples_follow_the_reference_distribution(config, seeded):
-    draws = 20_000 if not seeded else 8_000
+@pytest.mark.parametrize("keys", ["shared-generator", "per-row-seeds", "one-seed-many-positions"])
+def test_samples_follow_the_reference_distribution(config, keys):
+    draws = 20_000
     logits = torch.tensor(CHI_LOGITS).repeat(draws, 1)
-    params = [SamplingParams(**config, seed=s if seeded else None) for s in range(draws)]
+    seeds = {"shared-generator": [None] * draws, "per-row-seeds": list(range(draws)),
+             "one-seed-many-positions": [2**40 + 7] * draws}[keys]
+    params = [SamplingParams(**config, seed=s) for s in seeds]
     batch = build(params, logits, shared=torch.Generator().manual_seed(0))
+    if keys == "one-seed-many-positions":  # row i draws the token at position i
+        batch = dataclasses.replace(batch, positions=torch.arange(draws))
     probs = compute_probs(logits, batch)
     expected = torch.tensor(reference_probs(CHI_LOGITS, **config), dtype=torch.float64)
     assert torch.allclose(probs[0], expected.float(), atol=1e-6)
@@ -332,3 +357,20 @@ def test_sampler_returns_logprobs_only_for_rows_that_asked():
     assert first.top_ids == raw[0].argsort(descending=True)[:3].tolist()
     assert first.top_logprobs == pytest.approx(raw[0].sort(descending=True).values[:3].tolist(), abs=1e-6)
     assert last.logprob == pytest.approx(raw[2, out.tokens[2]].item(), abs=1e-6) and last.top_ids == []
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-4), SamplingParams(top_p=5e-324),
+    SamplingParams(repetition_penalty=5e-324), SamplingParams(repetition_penalty=1e30, temperature=1e-4),
+    SamplingParams(min_p=1.0, top_p=1e-30, seed=3),
+], ids=["tiny-temperature", "small-temperature", "tiny-top-p", "tiny-penalty", "huge-penalty", "extremes-seeded"])
+def test_extreme_parameters_still_sample_real_tokens(params):
+    """Overflow in a transform must not turn a row into NaN (whose draw would be a token id
+    outside the vocabulary): the row stays a distribution."""
+    logits = random_logits(4, 30, seed=9) * 30
+    batch = build([params] * 4, logits, prompts=[[1, 2, 3, 4, 5]] * 4)
+    probs = compute_probs(logits, batch)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4))
+    tokens = sample(probs, batch)
+    assert ((tokens >= 0) & (tokens < 30)).all()
+    assert (probs.gather(1, tokens[:, None]) > 0).all()

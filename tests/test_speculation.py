@@ -147,7 +147,7 @@ def exact_joint(path, prompt, params, length):
         nxt = {}
         for seq, p in joint.items():
             logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
-            batch = SamplingBatch.build([params], [prompt], [list(seq)], [None], logits.shape[-1], "cpu")
+            batch = SamplingBatch.build([params], [prompt], [list(seq)], logits.shape[-1], "cpu")
             probs = compute_probs(logits, batch)[0]
             for t in torch.nonzero(probs).flatten().tolist():
                 nxt[seq + (t,)] = p * probs[t].item()
@@ -155,8 +155,9 @@ def exact_joint(path, prompt, params, length):
     return joint
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-coupled", "unseeded-rejection"])
 @pytest.mark.parametrize("mode", ["mtp", "draft"])
-def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llama_pair, mode):
+def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llama_pair, mode, seeded):
     path = deepseek_mtp if mode == "mtp" else llama_pair[0]
     spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": False}
     if mode == "draft":
@@ -167,7 +168,8 @@ def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llam
     n = 1500
     llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=2048, max_num_seqs=512)
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True,
-                                                      seed=1000 + i) for i in range(n)], use_tqdm=False)
+                                                      seed=1000 + i if seeded else None) for i in range(n)],
+                        use_tqdm=False)
     assert llm.engine.spec_stats.steps > 0 and llm.engine.spec_stats.accepted_tokens < llm.engine.spec_stats.draft_tokens
     counts = {}
     for o in outs:
@@ -337,3 +339,50 @@ def test_policy_measure_averages_the_first_samples():
     assert measure.seconds == pytest.approx(0.02) and measure.tokens_per_step == pytest.approx(2.0)
     measure.add(2.0, 0.07)
     assert measure.seconds == pytest.approx(0.8 * 0.02 + 0.2 * 0.07)
+
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=28, ignore_eos=True, seed=77)
+
+
+def seeded_among_mates(llm, prompt, mates: bool) -> list[int]:
+    """The seeded request alone, or with short-lived batch mates (seeded, unseeded, greedy) that
+    arrive every few steps, so their prefills interleave with its decode steps."""
+    engine = llm.engine
+    seq = engine.add_request(prompt, SEEDED)
+    mate_prompts = prompts([3, 9, 5, 14, 2, 7, 11], seed=11)
+    step = 0
+    while engine.has_unfinished():
+        if mates and step % 3 == 1 and mate_prompts:
+            index = len(mate_prompts)
+            engine.add_request(mate_prompts.pop(), SamplingParams(
+                temperature=[0.0, 0.8, 1.3][index % 3], seed=index if index % 2 else None, max_tokens=2 + index % 4))
+        engine.step()
+        step += 1
+    return seq.output_ids
+
+
+SEEDED_MODES = {
+    "mtp-k1": ("mtp", {"num_speculative_tokens": 1, "adaptive": False}),
+    "mtp-k3": ("mtp", {"num_speculative_tokens": 3, "adaptive": False}),
+    "mtp-adaptive": ("mtp", {"num_speculative_tokens": 3, "adaptive": True}),
+    "draft-k3": ("draft", {"num_speculative_tokens": 3, "adaptive": False}),
+    "draft-adaptive": ("draft", {"num_speculative_tokens": 4, "adaptive": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(SEEDED_MODES))
+def test_seeded_output_never_depends_on_the_batch_or_speculation(deepseek_mtp, llama_pair, name):
+    """A seeded request gives the same tokens alone, among interleaving batch mates, and without
+    speculation: every token is the target's draw with the noise of (seed, position)."""
+    mode, options = SEEDED_MODES[name]
+    path = deepseek_mtp if mode == "mtp" else llama_pair[0]
+    spec = {"mode": mode, **options, **({"draft_model": llama_pair[1]} if mode == "draft" else {})}
+    prompt = prompts([6], seed=5)[0]
+    plain = LLM(model=path, page_size=4, num_kv_pages=256, max_num_seqs=2)
+    reference = seeded_among_mates(plain, prompt, mates=False)
+    assert seeded_among_mates(plain, prompt, mates=True) == reference
+    llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=256, max_num_seqs=2)
+    assert seeded_among_mates(llm, prompt, mates=False) == reference
+    assert seeded_among_mates(llm, prompt, mates=True) == reference
+    stats_ = llm.engine.spec_stats
+    assert stats_.steps > 0 and 0 < stats_.accepted_tokens < stats_.draft_tokens  # drafts were both kept and rejected

@@ -5,10 +5,10 @@ import torch
 
 from moespec.config import EngineConfig
 from moespec.speculation.base import DraftRows, Proposal, Speculator
-from moespec.speculation.verify import VerifyResult, verify_greedy, verify_lossless, verify_relaxed
+from moespec.speculation.verify import VerifyResult, select_rows, verify_greedy, verify_lossless, verify_relaxed
 
-__all__ = ["DraftRows", "Proposal", "Speculator", "VerifyResult", "create_speculator", "verify_greedy",
-           "verify_lossless", "verify_relaxed"]
+__all__ = ["DraftRows", "Proposal", "Speculator", "VerifyResult", "create_speculator", "select_rows",
+           "verify_greedy", "verify_lossless", "verify_relaxed"]
 
 
 def create_speculator(config: EngineConfig, target, target_runner) -> Speculator:

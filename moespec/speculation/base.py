@@ -62,7 +62,8 @@ class Speculator:
 
 class DraftRows:
     """Sampling state for drafting: the same transforms as the target (penalties see the drafts
-    so far), and the request's own generator, so seeded requests stay reproducible."""
+    so far). Draft row j of a seeded request draws with the noise of its position, m + j, which
+    is the noise the target draws with there: the draft token is accepted when both agree."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int, device, eos_ids: tuple[int, ...],
                  shared_generator: torch.Generator) -> None:
@@ -78,22 +79,21 @@ class DraftRows:
         """Rows for each sequence (repeated `repeat` times) with drafts[:j] appended for row j."""
         if repeat == 1 and not self.drafts_matter:
             if self.draft_rows is None:
-                self.draft_rows = self.build(drafts, repeat)
-            return self.draft_rows
+                self.draft_rows = self.build([], repeat)
+            return self.draft_rows.advanced(len(drafts))
         return self.build(drafts, repeat)
 
     def build(self, drafts: list[torch.Tensor], repeat: int) -> SamplingBatch:
         values = torch.stack(drafts, 1).tolist() if drafts and self.needs_values else None
-        params, prompts, outputs, generators = [], [], [], []
+        params, prompts, outputs = [], [], []
         for b, seq in enumerate(self.seqs):
             for j in range(repeat):
                 n = len(drafts) if repeat == 1 else j
-                extra = values[b][:n] if values is not None else [0] * n  # lengths matter for min_tokens
+                extra = values[b][:n] if values is not None else [0] * n  # lengths set min_tokens and positions
                 params.append(seq.params)
                 prompts.append(seq.prompt_ids)
                 outputs.append(seq.output_ids + extra)
-                generators.append(seq.generator if j == 0 else None)
-        return SamplingBatch.build(params, prompts, outputs, generators, self.vocab_size, self.device,
+        return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
                                    eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
 
     def draw(self, logits: torch.Tensor, drafts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,11 @@ probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is dra
 normalize(max(p - q, 0)); when all k are accepted a bonus token is drawn from p_k. Greedy
 rows have one-hot p and q, so the same arithmetic is exact-match verification.
 
+Seeded rows are verified by exact match too: the target's own draw at each verify position
+is its keyed Gumbel-max token (sampling.py), the draft drew with the same keyed noise, and a
+draft token is accepted when the two agree. Every emitted token is then the target's own
+keyed draw, so the output equals that of decoding without speculation, token for token.
+
 Shapes legend: B requests, K draft tokens per request, V vocab.
 """
 from __future__ import annotations
@@ -42,6 +47,12 @@ def verify_greedy(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
     final = target_tokens.gather(1, num_accepted[:, None])  # [B, 1] the correction or bonus token
     return VerifyResult(num_accepted, tokens.scatter(1, num_accepted[:, None], final))
+
+
+def select_rows(mask: torch.Tensor, chosen: VerifyResult, other: VerifyResult) -> VerifyResult:
+    """Per request: `chosen` where mask [B] is true, else `other`."""
+    return VerifyResult(torch.where(mask, chosen.num_accepted, other.num_accepted),
+                        torch.where(mask[:, None], chosen.tokens, other.tokens))
 
 
 def place_final_token(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
