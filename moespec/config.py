@@ -80,7 +80,12 @@ class ServerSection:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_waiting_requests: int = 1024
+    max_waiting_requests: int = 1024  # sequences waiting to be scheduled; more get 429 (400 if they never could fit)
+    max_n: int = 16  # completions per prompt (`n`)
+    max_prompts_per_request: int = 128  # prompts in one /v1/completions request
+    max_request_bytes: int = 32 * 2**20  # request body size; larger bodies get 413
+    step_timeout_s: float = 300.0  # a step running longer fails /health and ends the process (and its peers)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,11 @@ class EngineConfig:
             raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
         if self.model.max_model_len is not None:
             check_positive(self.model.max_model_len, "model.max_model_len")
+        for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes"):
+            check_positive(getattr(self.server, key), f"server.{key}")
+        for key in ("step_timeout_s", "drain_timeout_s"):
+            if not getattr(self.server, key) > 0:
+                raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
 
 
 def check_positive(value: int, key: str) -> None:

@@ -1,6 +1,7 @@
 """The HTTP server end to end: the official openai client and httpx against a real uvicorn
 server on 127.0.0.1, serving a random tiny DeepSeek-V3 with an MTP layer (mode mtp, k=2)."""
 import json
+import os
 import shutil
 import socket
 import threading
@@ -69,9 +70,10 @@ def server(tmp_path_factory):
     save_tiny_deepseek_mtp(path, vocab_size=4096)
     config = build_config({}, {"model": str(path), "served_model_name": MODEL, "page_size": 4, "num_kv_pages": 512,
                                "max_num_seqs": 32, "speculation": {"mode": "mtp", "num_speculative_tokens": 2,
-                                                                    "adaptive": False}})
+                                                                    "adaptive": False},
+                               "server": {"max_waiting_requests": 64}})
     engine = Engine(config)
-    with RunningServer(engine, create_app(engine, MODEL, API_KEY, max_waiting_requests=64)) as running:
+    with RunningServer(engine, create_app(engine, MODEL, API_KEY)) as running:
         yield running
 
 
@@ -179,7 +181,7 @@ def test_usage_reports_speculation(client):
     ({"prompt": "a", "temperature": -1}, 400, "temperature"),
     ({"prompt": "a", "temperature": "0.5"}, 400, "temperature"),
     ({"prompt": "a", "max_tokens": True}, 400, "max_tokens"),
-    ({"prompt": "a", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "a", "seed": 1.5}, 400, "seed"),
     ({"prompt": "a", "stop": ""}, 400, "stop"),
     ({"prompt": "a", "stop_token_ids": [5000]}, 400, "stop_token_ids"),
     ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
@@ -193,7 +195,12 @@ def test_usage_reports_speculation(client):
     ({"prompt": []}, 400, "prompt"),
     ({"temperature": 0}, 400, "prompt"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "a", "n": 100}, 429, None),
+    ({"prompt": "a", "n": 100}, 400, "n"),
+    ({"prompt": ["a"] * 129}, 400, "prompt"),
+    ({"prompt": ["a"] * 5, "n": 16}, 400, "n"),
+    ({"prompt": "a", "echo": True}, 400, "echo"),
+    ({"prompt": "a", "temperature": 1e400}, 400, "temperature"),
+    ({"prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
 ])
 def test_bad_completion_requests(server, body, status, param):
     response = post(server, "/v1/completions", body)
@@ -269,7 +276,7 @@ def aborted_count(server) -> float:
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
     before = aborted_count(server)
-    body = {"model": MODEL, "prompt": "import os", "max_tokens": 100, "n": 32, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "import os", "max_tokens": 100, "n": 16, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(60, read=0.5))
@@ -310,3 +317,68 @@ def find_refs(node):
     elif isinstance(node, list):
         for value in node:
             yield from find_refs(value)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_requests_that_could_never_fit_are_refused_at_once(server):
+    before = rss_bytes()
+    for body, param in (({"prompt": "a", "n": 10**9, "max_tokens": 1}, "n"),
+                        ({"prompt": ["a"] * 5000, "max_tokens": 1}, "prompt"),
+                        ({"prompt": [[1, 2]] * 16, "n": 16, "max_tokens": 1}, "n")):  # 256 sequences > 64 waiting
+        start = time.monotonic()
+        response = post(server, "/v1/completions", body)
+        assert time.monotonic() - start < 1.0
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert rss_bytes() - before < 20 * 2**20
+    assert not server.engine.scheduler.waiting
+
+
+def test_a_huge_prompt_does_not_delay_other_requests(server):
+    body = {"prompt": [5, 17, 301], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    start = time.monotonic()
+    assert post(server, "/v1/completions", body).status_code == 200
+    alone = time.monotonic() - start
+    huge: dict = {}
+
+    def send_huge() -> None:
+        start = time.monotonic()
+        response = post(server, "/v1/completions", {"prompt": "x" * 10_000_000, "max_tokens": 1})
+        huge.update(status=response.status_code, param=response.json()["error"]["param"],
+                    seconds=time.monotonic() - start)
+
+    thread = threading.Thread(target=send_huge)
+    thread.start()
+    start = time.monotonic()
+    assert post(server, "/v1/completions", body).status_code == 200
+    beside = time.monotonic() - start
+    thread.join(timeout=60)
+    assert huge["status"] == 400 and huge["param"] == "prompt" and huge["seconds"] < 5, huge
+    assert beside < alone + 0.5, (alone, beside)
+
+
+def test_429_only_while_the_queue_is_full(server):
+    """64 sequences: 32 run (max_num_seqs) and 32 wait; 33 more cannot wait now (429) but fit later."""
+    first_chunk = threading.Event()
+
+    def fill() -> None:
+        body = {"model": MODEL, "prompt": ["import os"] * 4, "n": 16, "max_tokens": 60, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    first_chunk.set()
+
+    filler = threading.Thread(target=fill)
+    filler.start()
+    assert first_chunk.wait(timeout=60)
+    extra = {"prompt": ["a", "b", "c"], "n": 11, "max_tokens": 1}
+    response = post(server, "/v1/completions", extra)
+    assert response.status_code == 429 and response.json()["error"]["code"] == "too_many_waiting_requests"
+    filler.join(timeout=120)
+    server.wait_idle()
+    assert post(server, "/v1/completions", extra).status_code == 200

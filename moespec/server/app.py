@@ -1,4 +1,10 @@
-"""The FastAPI app: OpenAI routes, auth, streaming, health and metrics."""
+"""The FastAPI app: OpenAI routes, auth, streaming, health and metrics.
+
+What a request costs is bounded before it costs it: the gate (gate.py) refuses bodies over
+`server.max_request_bytes` (413) and new requests while draining (503); `RequestLimits`
+refuses what could never fit (400); prompts are tokenized and chat templates rendered in
+the HTTP worker threads, never on the engine thread; 429 means only "retry later".
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +18,20 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 import moespec
+from moespec.config import ServerSection
 from moespec.engine import Engine
 from moespec.sampling import SamplingParams
-from moespec.server.engine_loop import Delta, EngineFailed, EngineLoop, Overloaded, Prompt, RequestHandle
+from moespec.server.engine_loop import (Delta, Draining, EngineFailed, EngineLoop, Overloaded, RequestHandle,
+                                        exit_process)
 from moespec.server.errors import ApiError, bad_request, error_body, install_error_handlers
+from moespec.server.gate import RequestGate
+from moespec.server.limits import RequestLimits
 from moespec.server.metrics import ServerMetrics
-from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
+from moespec.server.openapi import install_openapi
+from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt
 from moespec.server.responses import (SSE_DONE, Choice, TokenNames, UsageTotals, chat_choice, chat_logprobs,
                                       completion_choice, completion_logprobs, sse)
 
@@ -34,6 +46,8 @@ class ServerState:
     model_name: str
     api_key: str | None
     names: TokenNames
+    limits: RequestLimits
+    settings: ServerSection
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -41,19 +55,50 @@ class ServerState:
                            "model_not_found")
 
     async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> RequestHandle:
+        """Tokenize in a worker thread, then hand the token ids to the engine thread."""
         try:
-            return await self.loop.add(request_id, prompts, params)
+            ids = await run_in_threadpool(self.tokenize, prompts)
+            return await self.loop.add(request_id, ids, params)
         except Overloaded as e:
             raise ApiError(429, str(e), code="too_many_waiting_requests") from None
+        except Draining as e:
+            raise ApiError(503, str(e), code="server_shutting_down") from None
         except ValueError as e:
             raise bad_request(e) from None
 
+    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(encode_texts(self.engine.tokenizer, texts))
+        ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        for prompt_ids in ids:
+            if not prompt_ids:
+                raise ValueError("prompt: must contain at least one token")
+            self.limits.check_ids(prompt_ids)
+        return ids
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, as Engine.encode gives them; a fast tokenizer's batch call lets
+    other threads run meanwhile (it releases the GIL)."""
+    if not texts:
+        return []
+    if tokenizer is None:
+        raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
-               max_waiting_requests: int = 1024) -> FastAPI:
+               settings: ServerSection | None = None, on_stall: Callable[[str], None] = exit_process) -> FastAPI:
+    """The OpenAI app for `engine`; `settings` default to the engine config's server section."""
+    settings = settings or engine.config.server
     metrics = ServerMetrics()
-    state = ServerState(engine, EngineLoop(engine, max_waiting_requests, metrics), metrics,
-                        model_name or default_model_name(engine), api_key, TokenNames(engine.tokenizer))
+    limits = RequestLimits.build(settings, engine.max_model_len, engine.vocab_size, engine.tokenizer)
+    state = ServerState(engine, EngineLoop(engine, settings, metrics, on_stall), metrics,
+                        model_name or default_model_name(engine), api_key, TokenNames(engine.tokenizer), limits,
+                        settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,6 +112,8 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(v1, dependencies=[Depends(check_api_key)])
+    app.add_middleware(RequestGate, state=state)
+    install_openapi(app, state)
     return app
 
 
@@ -95,8 +142,9 @@ v1 = APIRouter(prefix="/v1")
 
 @public.get("/health")
 async def health(request: Request) -> JSONResponse:
-    if not server_of(request).loop.is_alive():
-        return JSONResponse(error_body(503, "the engine loop is not running"), status_code=503)
+    problem = server_of(request).loop.unhealthy()
+    if problem is not None:
+        return JSONResponse(error_body(503, problem, code="unhealthy"), status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -118,9 +166,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     server.check_model(body.model)
     if body.echo:
         raise ApiError(400, "echo: not supported", "echo")
+    prompts = body.prompts()
+    server.limits.check_n(body.n or 1, len(prompts))
+    server.limits.check_prompts(prompts)
     params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    handle = await server.submit(request_id, body.prompts(), params)
+    handle = await server.submit(request_id, prompts, params)
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         chunks = stream_completion(server, handle, header, body.logprobs is not None, body.include_usage, params.n)
@@ -135,10 +186,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     server = server_of(request)
     server.check_model(body.model)
+    server.limits.check_n(body.n or 1, 1)
+    server.limits.check_messages(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    handle = await server.submit(request_id, [render_chat(server, body)], params)
+    prompt = await run_in_threadpool(render_chat, server, body)
+    handle = await server.submit(request_id, [prompt], params)
     header = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         header["object"] = "chat.completion.chunk"

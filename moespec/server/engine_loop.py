@@ -1,20 +1,30 @@
 """The engine thread: the only thread that touches the engine.
 
-HTTP handlers hand work over as closures on a thread-safe queue (add a request group, abort
-request ids). The thread runs them between steps, steps the engine while it has work, and
-sends each sequence's new output to its request's asyncio queue with
+HTTP handlers hand work over as closures on a thread-safe queue (add a request group of
+tokenized prompts, abort request ids). The thread runs them between steps, steps the engine
+while it has work, and sends each sequence's new output to its request's asyncio queue with
 `loop.call_soon_threadsafe`, so every request streams on its own.
+
+A watchdog thread fails the server when one step runs longer than `server.step_timeout_s`
+(a stuck collective, a hung kernel): /health turns 503 and the process exits non-zero,
+naming the phase the step was in, which ends its peer ranks too. `drain` (SIGTERM) stops
+new requests, lets the running ones finish for up to `server.drain_timeout_s` and aborts
+the rest.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from moespec.config import ServerSection
 from moespec.engine import Engine
 from moespec.llm import child_params
 from moespec.sampling import SamplingParams
@@ -23,16 +33,28 @@ from moespec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 IDLE_WAIT_S = 0.1  # how often an idle engine thread looks at its stop flag
+STALL_EXIT_CODE = 70  # EX_SOFTWARE: the engine stopped making progress
 
 
 class Overloaded(Exception):
-    pass
+    """Too many requests are waiting right now; the same request may succeed later (429)."""
+
+
+class Draining(Exception):
+    """The server is shutting down (503)."""
 
 
 class EngineFailed(Exception):
     pass
+
+
+def exit_process(message: str) -> None:
+    """What a stalled engine does by default: say why on stderr and end the process at once
+    (a stuck step cannot be interrupted; peers see the lost connection, or their launcher
+    ends them)."""
+    print(f"moespec: fatal: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(STALL_EXIT_CODE)
 
 
 @dataclass(frozen=True)
@@ -87,19 +109,28 @@ class RequestHandle:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_waiting_requests: int, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, settings: ServerSection, metrics: ServerMetrics,
+                 on_stall: Callable[[str], None] = exit_process) -> None:
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_requests = settings.max_waiting_requests
+        self.step_timeout_s = settings.step_timeout_s
         self.metrics = metrics
+        self.on_stall = on_stall
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}  # engine thread only
         self.stopping = threading.Event()
+        self.draining = threading.Event()
+        self.step_started: float | None = None  # monotonic start of the running step (engine thread writes)
+        self.stalled: str | None = None
         self.thread = threading.Thread(target=self.run, name="moespec-engine", daemon=True)
+        self.watchdog = threading.Thread(target=self.watch, name="moespec-watchdog", daemon=True)
+        metrics.observe_engine(engine)  # /metrics shows the free pages before the first request
 
     # ------------------------------------------------------------------ HTTP side
 
     def start(self) -> None:
         self.thread.start()
+        self.watchdog.start()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -109,8 +140,21 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
-    async def add(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> RequestHandle:
-        """Adds n sequences per prompt (choice index = prompt * n + i); raises ValueError or Overloaded."""
+    def unhealthy(self) -> str | None:
+        """Why /health should fail, or None."""
+        if self.stalled:
+            return self.stalled
+        if not self.is_alive():
+            return "the engine loop is not running"
+        if self.draining.is_set():
+            return "the server is shutting down"
+        return None
+
+    async def add(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> RequestHandle:
+        """Adds n sequences per prompt (choice index = prompt * n + i); raises ValueError, Overloaded
+        or Draining."""
+        if self.draining.is_set():
+            raise Draining("the server is shutting down; send the request to another replica")
         loop = asyncio.get_running_loop()
         ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(params.n)]
         handle = RequestHandle(ids)
@@ -137,6 +181,44 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         self.commands.put(lambda: self.abort_group(request_ids))
 
+    def drain(self, timeout_s: float) -> int:
+        """Refuse new requests, wait up to timeout_s for the running ones, abort the rest; returns
+        how many were aborted. Called off the engine thread."""
+        self.draining.set()
+        deadline = time.monotonic() + timeout_s
+        while (self.streams or not self.commands.empty()) and time.monotonic() < deadline and self.is_alive():
+            time.sleep(0.05)
+        if not self.streams or not self.is_alive():
+            return 0
+        aborted: list[int] = []
+        done = threading.Event()
+
+        def abort_all() -> None:  # on the engine thread, which owns the streams
+            aborted.append(len(self.streams))
+            logger.warning("drain timeout (%g s): aborting %d running requests", timeout_s, aborted[0])
+            self.abort_group(list(self.streams))
+            done.set()
+
+        self.commands.put(abort_all)
+        done.wait(timeout=10)
+        return aborted[0] if aborted else 0
+
+    # ------------------------------------------------------------------ watchdog
+
+    def watch(self) -> None:
+        poll = min(1.0, self.step_timeout_s / 10)
+        while not self.stopping.wait(poll):
+            started = self.step_started
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                self.stall(f"engine step stuck in phase {self.engine.phase!r} for {time.monotonic() - started:.0f} s "
+                           f"(server.step_timeout_s = {self.step_timeout_s:g})")
+                return
+
+    def stall(self, message: str) -> None:
+        self.stalled = message
+        logger.critical(message)
+        self.on_stall(message)
+
     # ------------------------------------------------------------------ engine thread
 
     def run(self) -> None:
@@ -145,6 +227,8 @@ class EngineLoop:
             self.run_commands(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 self.step()
+            else:
+                self.keep_alive()
         self.abort_group(list(self.streams))
         logger.info("engine loop stopped")
 
@@ -161,11 +245,12 @@ class EngineLoop:
                 break
         self.metrics.observe_engine(self.engine)  # adds and aborts change the queues and pages
 
-    def add_group(self, handle: RequestHandle, prompts: list[Prompt], params: SamplingParams,
+    def add_group(self, handle: RequestHandle, prompts: list[list[int]], params: SamplingParams,
                   loop: asyncio.AbstractEventLoop) -> None:
         waiting = len(self.engine.scheduler.waiting)
         if waiting + len(handle.request_ids) > self.max_waiting_requests:
-            raise Overloaded(f"{waiting} requests are waiting (limit {self.max_waiting_requests}); retry later")
+            raise Overloaded(f"{waiting} sequences are waiting and this request adds {len(handle.request_ids)} "
+                             f"(server.max_waiting_requests = {self.max_waiting_requests}); retry later")
         added: list[str] = []
         try:
             for index, request_id in enumerate(handle.request_ids):
@@ -188,15 +273,29 @@ class EngineLoop:
             stream.send(Delta(stream.index, "", [], [], finish_reason="abort"))  # ends the handler's wait
 
     def step(self) -> None:
+        self.step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; aborting %d requests", len(self.streams))
             self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
             return
+        finally:
+            self.step_started = None
         for seq in outputs.updated:
             self.publish(seq)
         self.metrics.observe_engine(self.engine)
+
+    def keep_alive(self) -> None:
+        """An idle leader's message to its followers, watched like a step (it is a collective)."""
+        self.step_started = time.monotonic()
+        try:
+            self.engine.keep_alive()
+        except Exception as e:
+            logger.exception("keeping the other ranks alive failed")
+            self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
+        finally:
+            self.step_started = None
 
     def publish(self, seq: Sequence) -> None:
         stream = self.streams.get(seq.request_id)

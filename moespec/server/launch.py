@@ -2,20 +2,49 @@
 
 Under torchrun or slurm only the leader (rank 0) owns the HTTP server, tokenizer and
 scheduler; the other ranks replay its forwards (moespec.distributed.follow) and exit with it.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish or, after
+`server.drain_timeout_s`, are aborted, then the server shuts down and the process exits 0.
+A second signal ends it at once.
 """
 from __future__ import annotations
 
 import logging
+import threading
+
+import uvicorn
 
 from moespec.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a drain between the first signal and the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state, self.drain_timeout_s = state, drain_timeout_s
+        self.drainer: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.drainer is not None:  # a second signal: stop waiting
+            logger.warning("signal %d during the drain: shutting down now", sig)
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("signal %d: draining (new requests get 503; running ones have %g s to finish)", sig,
+                    self.drain_timeout_s)
+        self.drainer = threading.Thread(target=self.drain, name="moespec-drain", daemon=True)
+        self.drainer.start()
+
+    def drain(self) -> None:
+        aborted = self.state.loop.drain(self.drain_timeout_s)
+        logger.info("drained (%d requests aborted); shutting down", aborted)
+        self.should_exit = True
+
+
 def serve(config: EngineConfig, host: str | None = None, port: int | None = None, api_key: str | None = None,
           log_level: str = "info") -> None:
-    import uvicorn
-
     from moespec.distributed import run_as_rank
     from moespec.engine import Engine
     from moespec.server.app import create_app
@@ -24,10 +53,12 @@ def serve(config: EngineConfig, host: str | None = None, port: int | None = None
     engine = Engine(config, ranks=ranks)
     s = config.server
     host, port, api_key = host or s.host, port or s.port, api_key or s.api_key
-    app = create_app(engine, config.model.served_model_name, api_key, s.max_waiting_requests)
+    app = create_app(engine, config.model.served_model_name, api_key, s)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1, speculation: %s, auth: %s)",
                 app.state.server.model_name, host, port, config.speculation.mode, "on" if api_key else "off")
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=5), app.state.server, s.drain_timeout_s)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.close()

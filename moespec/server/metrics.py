@@ -7,6 +7,8 @@ from moespec.engine import Engine
 from moespec.sequence import Sequence
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
+                    "/docs"})  # any other path is counted as "other"
 
 
 class ServerMetrics:
@@ -32,12 +34,18 @@ class ServerMetrics:
         self.draft_tokens = Gauge("moespec_spec_draft_tokens", "Draft tokens proposed since start", registry=r)
         self.accepted_tokens = Gauge("moespec_spec_accepted_tokens", "Draft tokens accepted since start",
                                      registry=r)
+        self.http = Counter("moespec_http_requests", "HTTP responses by method, route and status",
+                            ["method", "route", "status"], registry=r)
+        self.routes = ROUTES
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def count_finished(self, reason: str) -> None:
         self.requests.labels(finish_reason=reason).inc()
+
+    def count_http(self, method: str, route: str, status: int) -> None:
+        self.http.labels(method=method, route=route, status=str(status)).inc()
 
     def count_tokens(self, num: int) -> None:
         if num:

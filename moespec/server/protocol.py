@@ -1,20 +1,42 @@
 """Request bodies of the OpenAI API (pydantic), and their translation to SamplingParams.
 
-Sampling fields are nullable: OpenAI clients send `null` for "use the default".
+Sampling fields are nullable: OpenAI clients send `null` for "use the default". The field
+constraints here are the ones that hold for every deployment; those that depend on the
+model and config (n, prompt sizes, token ids, chat roles) are checked by `RequestLimits`
+in limits.py, and both appear in the OpenAPI schema (openapi.py).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from moespec.sampling import MAX_LOGPROBS, SamplingParams
 from moespec.server.errors import ApiError, bad_request
 
 Prompt = str | list[int]
+MAX_STOP_STRINGS = 16  # each one is searched for after every token
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # unknown fields are ignored; "1" is no number
 
 
-STRICT = ConfigDict(extra="ignore", strict=True)  # unknown fields are ignored; "1" is not a number
+def whole_number(value):
+    """JSON Schema's integer: 3.0 is one, as it is to OpenAI's clients."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**bounds) -> type:
+    """An integer field (3.0 accepted as 3) with JSON Schema bounds (ge=..., le=...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(whole_number)]  # bounds first: they reach the schema
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Int(ge=0)
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # a token id as a decimal string
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class StreamOptions(BaseModel):
@@ -29,20 +51,20 @@ class SamplingRequest(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    n: int | None = 1
-    max_tokens: int | None = None
-    min_tokens: int | None = 0
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # what torch generators take
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Int(ge=1) | None = 1
+    max_tokens: Int(ge=1) | None = None
+    min_tokens: Int(ge=0) | None = 0
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: Int(ge=-1) | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: Int() | None = None  # any integer (reduced mod 2^64)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: Annotated[dict[TokenKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -51,9 +73,10 @@ class SamplingRequest(BaseModel):
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        """max_tokens None: until EOS, a stop or max_model_len (OpenAI's null)."""
         bias = parse_logit_bias(self.logit_bias, vocab_size)
         check_vocab("stop_token_ids", self.stop_token_ids or [], vocab_size)
-        options = dict(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+        options = dict(n=self.n, min_tokens=self.min_tokens, temperature=self.temperature,
                        top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
                        stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -61,7 +84,7 @@ class SamplingRequest(BaseModel):
                        skip_special_tokens=self.skip_special_tokens,
                        include_stop_str_in_output=self.include_stop_str_in_output)
         try:
-            return SamplingParams(**{k: v for k, v in options.items() if v is not None})
+            return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
         except ValueError as e:
             raise bad_request(e) from None
 
@@ -73,11 +96,7 @@ class SamplingRequest(BaseModel):
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if not bias:
         return None
-    try:
-        parsed = {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise ApiError(400, f"logit_bias: keys must be token ids as strings, got {list(bias)[:3]}",
-                       "logit_bias") from None
+    parsed = {int(token): value for token, value in bias.items()}  # keys matched TokenKey
     check_vocab("logit_bias", parsed, vocab_size)
     return parsed
 
@@ -88,18 +107,21 @@ def check_vocab(name: str, token_ids, vocab_size: int) -> None:
         raise ApiError(400, f"{name}: token ids must be in [0, {vocab_size}), got {outside[:3]}", name)
 
 
+PromptText = Annotated[str, Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's legacy default
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds \
+        | Annotated[list[PromptIds], Field(min_length=1)]
+    max_tokens: Int(ge=1) | None = 16  # OpenAI's legacy default
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: bool = False  # echoing the prompt back is not supported: true is refused
 
     def prompts(self) -> list[Prompt]:
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise ApiError(400, "prompt: must not be empty", "prompt")
         if all(isinstance(t, int) for t in prompt):
             return [prompt]  # type: ignore[list-item]  # one prompt given as token ids
         return list(prompt)  # type: ignore[arg-type]
@@ -115,7 +137,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = STRICT
 
-    role: str
+    role: str  # the roles the model's chat template accepts (limits.py)
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -128,9 +150,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

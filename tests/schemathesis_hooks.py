@@ -1,0 +1,56 @@
+"""Schemathesis hooks for tests/test_openapi_fuzz.py: keep out of the positive cases the few
+constraints the schema can only state in words (its field descriptions), so that every
+schema-valid request it sends should be served. Loaded with SCHEMATHESIS_HOOKS; the served
+deployment is described by MOESPEC_FUZZ_* environment variables."""
+import os
+
+import schemathesis
+from transformers import AutoTokenizer
+
+TOKENIZER = AutoTokenizer.from_pretrained(os.environ["MOESPEC_FUZZ_TOKENIZER"])
+MAX_MODEL_LEN = int(os.environ["MOESPEC_FUZZ_MAX_MODEL_LEN"])
+VOCAB_SIZE = int(os.environ["MOESPEC_FUZZ_VOCAB_SIZE"])
+
+
+@schemathesis.hook
+def filter_case(ctx, case) -> bool:
+    """Positive cases only (negative ones must be refused whatever they hold)."""
+    operation = ctx.operation
+    if operation is None or operation.path not in ("/v1/completions", "/v1/chat/completions"):
+        return True
+    if case.meta is not None and not case.meta.generation.mode.is_positive:
+        return True
+    try:
+        return satisfies_described_constraints(case.body, chat=operation.path.endswith("chat/completions"))
+    except (KeyError, TypeError, ValueError, AttributeError):  # not a body of the schema's shape: keep it
+        return True
+
+
+def satisfies_described_constraints(body: dict, chat: bool) -> bool:
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", None if chat else 16)
+    if max_tokens is not None and (body.get("min_tokens") or 0) > max_tokens:
+        return False
+    if chat and body.get("top_logprobs") is not None and not body.get("logprobs"):
+        return False
+    if any(int(token) >= VOCAB_SIZE for token in (body.get("logit_bias") or {})):
+        return False
+    return all(0 < n < MAX_MODEL_LEN for n in prompt_lengths(body, chat))
+
+
+def prompt_lengths(body: dict, chat: bool) -> list[int]:
+    if chat:
+        messages = [{"role": m["role"], "content": text_of(m.get("content"))} for m in body["messages"]]
+        text = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return [len(TOKENIZER.encode(text, add_special_tokens=False))]
+    prompt = body["prompt"]
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    return [len(TOKENIZER.encode(p, add_special_tokens=False)) if isinstance(p, str) else len(p) for p in prompt]
+
+
+def text_of(content) -> str:
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""

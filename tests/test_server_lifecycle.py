@@ -1,0 +1,290 @@
+"""What keeps a server up and lets it go cleanly: request bounds that need their own server
+(body size, tokenization off the engine thread, metrics before the first request), the step
+watchdog (in process, and as real processes with and without peer ranks), and the SIGTERM
+drain of `moespec serve`."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from moespec.config import ServerSection, build_config
+from moespec.engine import Engine
+from moespec.server import create_app
+from test_server import RunningServer, free_port, save_tiny_deepseek_mtp
+
+KEY = {"Authorization": "Bearer k"}
+ROOT = Path(__file__).resolve().parent.parent
+
+# `moespec serve` with each target forward slowed down (MOESPEC_TEST_STEP_DELAY seconds) or, on
+# rank 0, stuck for good (MOESPEC_TEST_HANG=1): what a slow device or a stuck collective looks like.
+LAUNCHER = """
+import os, sys, time
+from moespec.model_runner import ModelRunner
+forward = ModelRunner.forward
+def slowed(self, batch, ctx):
+    if os.environ.get("MOESPEC_TEST_HANG") == "1" and os.environ.get("RANK", "0") == "0":
+        time.sleep(3600)
+    time.sleep(float(os.environ.get("MOESPEC_TEST_STEP_DELAY", "0")))
+    return forward(self, batch, ctx)
+ModelRunner.forward = slowed
+from moespec.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lifecycle-model")
+    save_tiny_deepseek_mtp(path, vocab_size=4096)
+    return path
+
+
+def make_engine(checkpoint, **server) -> Engine:
+    return Engine(build_config({}, {"model": str(checkpoint), "page_size": 4, "num_kv_pages": 256,
+                                    "max_num_seqs": 8, "server": server}))
+
+
+def post(url: str, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, headers=KEY, timeout=60, **kwargs)
+
+
+def send_in_background(url: str, body: dict) -> None:
+    """A request whose answer does not matter (the server it goes to is about to die)."""
+    def send() -> None:
+        try:
+            post(url, body)
+        except httpx.HTTPError:
+            pass
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_metrics_show_free_pages_before_the_first_request(checkpoint):
+    engine = make_engine(checkpoint)
+    with RunningServer(engine, create_app(engine, "m", "k")) as server:
+        metrics = httpx.get(f"{server.url}/metrics").text
+    assert "moespec_kv_pages_free 256.0" in metrics
+
+
+def test_request_bodies_over_the_limit_get_413(checkpoint):
+    engine = make_engine(checkpoint, max_request_bytes=100_000)
+    with RunningServer(engine, create_app(engine, "m", "k")) as server:
+        big = {"prompt": "x" * 200_000, "max_tokens": 1}
+        response = post(server.url, big)  # Content-Length says it all
+        assert response.status_code == 413 and "max_request_bytes" in response.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the body is counted while it is read
+            for _ in range(20):
+                yield b" " * 10_000
+            yield json.dumps(big).encode()
+        response = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60,
+                              headers={**KEY, "Content-Type": "application/json"})
+        assert response.status_code == 413
+        assert post(server.url, {"prompt": "hello", "max_tokens": 1, "user": "u" * 90_000}).status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'moespec_http_requests_total{method="POST",route="/v1/completions",status="413"} 2.0' in metrics
+
+
+class SlowTokenizer:
+    """The engine's tokenizer, with a batch encode that takes `delay` seconds and records its thread."""
+
+    def __init__(self, tokenizer, delay: float) -> None:
+        self.tokenizer, self.delay, self.threads = tokenizer, delay, []
+        outer = self
+
+        class Backend:
+            def encode_batch(self, texts, add_special_tokens):
+                outer.threads.append(threading.current_thread().name)
+                time.sleep(outer.delay)
+                return tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        self.backend_tokenizer = Backend()
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def timed_completion(url: str, results: dict, key: str) -> None:
+    start = time.monotonic()
+    response = post(url, {"prompt": [5, 17, 301], "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+    results[key] = (time.monotonic() - start, response.status_code)
+
+
+def test_tokenization_runs_off_the_engine_thread(checkpoint):
+    engine = make_engine(checkpoint)
+    app = create_app(engine, "m", "k")
+    slow = SlowTokenizer(engine.tokenizer, delay=3.0)
+    engine.tokenizer = slow
+    with RunningServer(engine, app) as server:
+        results: dict = {}
+        timed_completion(server.url, results, "alone")
+        slow_request = threading.Thread(target=lambda: results.update(
+            slow=post(server.url, {"prompt": "def f():", "max_tokens": 2}).status_code))
+        slow_request.start()
+        time.sleep(0.3)  # the slow request is tokenizing now
+        timed_completion(server.url, results, "beside")
+        slow_request.join()
+    assert results["slow"] == 200 and slow.threads and "moespec-engine" not in slow.threads
+    assert results["beside"][1] == 200 and results["beside"][0] < results["alone"][0] + 0.5, results
+
+
+def test_watchdog_fails_health_and_names_the_stuck_phase(checkpoint):
+    engine = make_engine(checkpoint, step_timeout_s=0.5)
+    stalls, release = [], threading.Event()
+    forward = engine.runner.forward
+
+    def stuck_once(batch, ctx):
+        if not release.is_set():
+            release.wait(timeout=30)
+        return forward(batch, ctx)
+
+    engine.runner.forward = stuck_once
+    app = create_app(engine, "m", "k", on_stall=stalls.append)
+    with RunningServer(engine, app) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        waiter = threading.Thread(target=lambda: post(server.url, {"prompt": "x", "max_tokens": 2}))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not stalls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(f"{server.url}/health")
+        release.set()
+        waiter.join(timeout=30)
+    assert len(stalls) == 1 and "'target forward (prefill)'" in stalls[0] and "step_timeout_s" in stalls[0]
+    assert health.status_code == 503 and "target forward (prefill)" in health.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- real processes
+
+
+def write_config(tmp_path: Path, checkpoint: Path, **sections) -> Path:
+    config = {"model": {"path": str(checkpoint), "max_model_len": 512},
+              "cache": {"page_size": 4, "num_kv_pages": 512}, "scheduler": {"max_num_seqs": 8}}
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def start_serve(tmp_path: Path, config: Path, port: int, env_extra: dict, rank_env: dict | None = None):
+    launcher = tmp_path / "launch_serve.py"
+    launcher.write_text(LAUNCHER)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(env_extra, **(rank_env or {}))
+    log = open(tmp_path / f"serve-{(rank_env or {}).get('RANK', '0')}.log", "w")
+    return subprocess.Popen([sys.executable, str(launcher), "serve", "--config", str(config), "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log.name
+
+
+def wait_healthy(url: str, processes, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in processes), "a server process exited while starting"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")
+
+
+def wait_exit(process, timeout: float) -> int | None:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None
+
+
+def test_stuck_step_ends_the_process_with_its_phase(tmp_path, checkpoint):
+    port = free_port()
+    config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5})
+    process, log = start_serve(tmp_path, config, port, {"MOESPEC_TEST_HANG": "1"})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [process])
+        send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
+        code = wait_exit(process, timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = Path(log).read_text()
+    assert code == 70, output[-3000:]
+    assert "stuck in phase 'target forward (prefill)'" in output and "moespec: fatal:" in output
+
+
+def test_stuck_leader_takes_its_peer_rank_down(tmp_path, checkpoint):
+    port, master_port = free_port(), free_port()
+    config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5},
+                          parallel={"ep_size": 2, "timeout_s": 60})
+    processes = []
+    try:
+        for rank in (0, 1):
+            rank_env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(master_port)}
+            processes.append(start_serve(tmp_path, config, port, {"MOESPEC_TEST_HANG": "1"}, rank_env))
+        wait_healthy(f"http://127.0.0.1:{port}", [p for p, _ in processes])
+        send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
+        codes = [wait_exit(p, timeout=40) for p, _ in processes]
+    finally:
+        for p, _ in processes:
+            if p.poll() is None:
+                p.kill()
+    logs = [Path(log).read_text()[-2000:] for _, log in processes]
+    assert codes[0] == 70, logs[0]
+    assert codes[1] not in (None, 0), logs[1]  # the follower saw its leader go and exited, not hung
+
+
+def stream_until_done(url: str, body: dict, first_chunk: threading.Event, result: dict) -> None:
+    finish = None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=KEY,
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                result["done"] = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                first_chunk.set()
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+    result["finish_reason"] = finish
+
+
+@pytest.mark.parametrize("drain_timeout_s,max_tokens,expected", [(60, 40, "length"), (0.5, 400, "abort")])
+def test_sigterm_drains_then_exits_zero(tmp_path, checkpoint, drain_timeout_s, max_tokens, expected):
+    """New requests get 503 at once; the running one finishes (long drain) or is aborted when
+    the drain times out; the process exits 0 either way."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = write_config(tmp_path, checkpoint, server={"drain_timeout_s": drain_timeout_s})
+    process, log = start_serve(tmp_path, config, port, {"MOESPEC_TEST_STEP_DELAY": "0.05"})
+    try:
+        wait_healthy(url, [process])
+        first_chunk, result = threading.Event(), {}
+        body = {"prompt": "import os", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        streamer = threading.Thread(target=stream_until_done, args=(url, body, first_chunk, result))
+        streamer.start()
+        assert first_chunk.wait(timeout=60)
+        signaled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = post(url, {"prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(f"{url}/health").status_code == 503
+        streamer.join(timeout=90)
+        code = wait_exit(process, timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = Path(log).read_text()
+    assert code == 0, output[-3000:]
+    assert result == {"done": True, "finish_reason": expected}, (result, output[-2000:])
+    if expected == "abort":
+        assert time.monotonic() - signaled < drain_timeout_s + 15
