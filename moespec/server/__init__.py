@@ -1,13 +1,16 @@
 """OpenAI-compatible HTTP server: FastAPI routes in front of an engine stepped by its own thread.
 
+  gate.py         first stop of every request: body size (413), draining (503), HTTP counters
   protocol.py     request bodies (pydantic) -> SamplingParams
+  limits.py       the deployment's bounds on a request (n, prompts, prompt length, chat roles)
   engine_loop.py  the engine thread: adds/aborts handed over by queue, output deltas fed to
-                  per-request asyncio queues
+                  per-request asyncio queues; the step watchdog and the drain
   responses.py    OpenAI response and stream-chunk payloads (choices, logprobs, usage)
   errors.py       OpenAI error JSON for every failure
   metrics.py      Prometheus collectors on the server's own registry
+  openapi.py      the OpenAPI schema as the server behaves (statuses, bodies, bounds)
   app.py          the FastAPI app: routes, auth, streaming
-  launch.py       `moespec serve`: build the engine, run uvicorn on the leader rank
+  launch.py       `moespec serve`: build the engine, run uvicorn on the leader rank, drain on SIGTERM
 """
 from moespec.server.app import create_app
 

@@ -17,6 +17,8 @@ class ServerMetrics:
         self.requests = Counter("moespec_requests", "Finished requests by finish reason", ["finish_reason"],
                                 registry=r)
         self.prompt_tokens = Counter("moespec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.preemptions = Counter("moespec_preemptions", "Times finished requests were preempted (KV pages ran out)",
+                                   registry=r)
         self.generated_tokens = Counter("moespec_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("moespec_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -54,6 +56,7 @@ class ServerMetrics:
     def observe_finished(self, seq: Sequence) -> None:
         self.count_finished(seq.finish_reason or "unknown")
         self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.preemptions.inc(seq.metrics.num_preemptions)
         if seq.metrics.ttft is not None:
             self.ttft.observe(seq.metrics.ttft)
         if seq.metrics.tpot is not None:
