@@ -32,6 +32,8 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4
 # the same with every output 128 tokens long: without speculation the requests stay in lockstep
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:2,mtp:3 --adaptive on --max-tokens 128 \
     --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive-fixed-length.json
+# seeded requests (exact match with the target's keyed draw) against rejection sampling
+$PY benchmarks/bench_seeded_acceptance.py --threads "$THREADS" --out docs/bench/seeded-acceptance.json
 # where a step's time goes
 PROFILE="$PY benchmarks/profile_spec_step.py --threads $THREADS"
 $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-none.json
