@@ -26,16 +26,24 @@ def generate(engine) -> list[list[int]]:
     return [s.output_ids for s in seqs], engine.spec_stats.steps
 
 
-def rank_main(rank: int, path: str, ep_size: int, microbatch: bool):
+def lead_or_follow(config):
+    """The leader's Ranks; on the other ranks None, once they have followed the leader to its stop."""
     from moespec.distributed import follow, join_ranks
+    ranks = join_ranks(config)
+    if ranks.ctx.leader:
+        return ranks
+    try:
+        follow(config, ranks.ctx, ranks.runtime)
+    finally:
+        ranks.close()
+    return None
+
+
+def rank_main(rank: int, path: str, ep_size: int, microbatch: bool):
     from moespec.engine import Engine
     config = engine_config(path, ep_size, microbatch)
-    ranks = join_ranks(config)
-    if not ranks.ctx.leader:
-        try:
-            follow(config, ranks.ctx, ranks.runtime)
-        finally:
-            ranks.close()
+    ranks = lead_or_follow(config)
+    if ranks is None:
         return None
     engine = Engine(config, ranks=ranks)
     try:
@@ -74,16 +82,11 @@ def idle_rank_main(rank: int, path: str, idle_s: float):
     """The leader sits idle (as a server between requests) for longer than the collective
     timeout, keeping its followers alive, then serves."""
     import time
-    from moespec.distributed import follow, join_ranks
     from moespec.engine import Engine
     config = build_config({"model": {"path": path}, "cache": {"page_size": 4, "num_kv_pages": 128},
                            "speculation": SPEC, "parallel": {"ep_size": 2, "timeout_s": 2}})
-    ranks = join_ranks(config)
-    if not ranks.ctx.leader:
-        try:
-            follow(config, ranks.ctx, ranks.runtime)
-        finally:
-            ranks.close()
+    ranks = lead_or_follow(config)
+    if ranks is None:
         return None
     engine = Engine(config, ranks=ranks)
     try:
