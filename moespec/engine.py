@@ -273,7 +273,7 @@ class Engine:
     def execute(self, prepared: PreparedStep) -> SamplerOutput:
         self.phase = f"target forward ({prepared.batch.mode})"
         hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
-        self.speculator.observe(prepared.batch, hidden)
+        self.speculator.observe(prepared.scheduled.chunks, prepared.batch, hidden)
         self.phase = "sampling"
         return self.sampler(logits, prepared.sampling)
 
@@ -290,7 +290,7 @@ class Engine:
         ctx = self.runner.plan(batch)
         self.phase = "target forward (verify)"
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
-        self.speculator.observe(batch, hidden)
+        self.speculator.observe(prepared.scheduled.chunks, batch, hidden)
         self.phase = "verification"
         target_rows = rows.batch(list(proposal.tokens.unbind(1)), repeat=k + 1)
         result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))

@@ -386,3 +386,59 @@ def test_seeded_output_never_depends_on_the_batch_or_speculation(deepseek_mtp, l
     assert seeded_among_mates(llm, prompt, mates=True) == reference
     stats_ = llm.engine.spec_stats
     assert stats_.steps > 0 and 0 < stats_.accepted_tokens < stats_.draft_tokens  # drafts were both kept and rejected
+
+
+def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mtp):
+    """Long prompts in small chunks, mixed batches and stretches of plain steps: between steps
+    the MTP speculator holds at most 1 + k target hidden states per running request (a flush
+    runs the MTP layer over the rest), nothing sized by the KV cache, and after plain steps the
+    next proposal still catches up (it does not feed the adaptive policy)."""
+    import itertools
+    k, max_num_seqs, num_kv_pages, page_size = 2, 3, 256, 4
+    batch = prompts([40, 57, 33, 71, 25, 48, 9, 62], seed=12)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 40, 25, 33, 8, 45, 20)]
+    ref, _ = generate(deepseek_mtp, None, batch, params, max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
+    llm = LLM(model=deepseek_mtp, speculation={"mode": "mtp", "num_speculative_tokens": k, "adaptive": False},
+              page_size=page_size, num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
+    engine, spec = llm.engine, llm.engine.speculator
+    assert spec.max_pending_tokens == max_num_seqs * (1 + k)
+    assert spec.state_bytes() == max_num_seqs * (1 + k) * engine.model.config.hidden_size * 4  # float32 tiny model
+    lengths = itertools.cycle([2, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 2, 2, 0, 0, 1])  # the policy's choices, scripted
+    engine.policy.choose = lambda batch_size: next(lengths)
+    flushed, propose, flush = [], spec.propose, spec.flush
+    spec.flush = lambda seqs: (flushed.append(len(seqs)), flush(seqs))[1]
+    after_plain = []
+
+    def watch_propose(*args):
+        ran_plain = engine.ran_plain
+        proposal = propose(*args)
+        if ran_plain:
+            after_plain.append(proposal.steady)
+        return proposal
+
+    spec.propose = watch_propose
+    seqs = [engine.add_request(p, q) for p, q in zip(batch, params)]
+    capacity = num_kv_pages * page_size
+    while engine.has_unfinished():
+        engine.step()
+        assert spec.pending_tokens() <= spec.max_pending_tokens
+        assert all(state.num_pending <= 1 + k for state in spec.states.values())
+        assert len(spec.states) <= max_num_seqs
+        assert not [name for name, value in vars(spec).items()
+                    if isinstance(value, torch.Tensor) and capacity in value.shape]
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in ref]
+    assert flushed and engine.spec_stats.steps > 0
+    assert after_plain and not any(after_plain)
+    assert not spec.states  # released with their requests
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_identical_with_chunked_prefill_of_long_prompts(deepseek_mtp, k):
+    batch = prompts([60, 45, 90, 33, 71], seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 17, 30, 9, 21)]
+    options = dict(max_num_batched_tokens=8, max_num_seqs=3)
+    ref, _ = generate(deepseek_mtp, None, batch, params, **options)
+    got, llm = generate(deepseek_mtp, {"mode": "mtp", "num_speculative_tokens": k, "adaptive": False}, batch, params,
+                        **options)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.engine.spec_stats.steps > 0 and not llm.engine.speculator.states

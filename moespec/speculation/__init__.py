@@ -49,5 +49,5 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
                              "set speculation.mtp_head to a head trained with `moespec train-mtp-head`")
         mtp = target
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
-    return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, cache.num_kv_pages, cache.page_size,
+    return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
                          target.config.hidden_size, dtype, config.model.device, config.model.attention_backend)

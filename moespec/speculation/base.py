@@ -6,7 +6,8 @@ Life of a decode step with speculation (see Engine.run_speculative):
                         per request from the carried state -> Proposal (tokens + full q,
                         and whether the step was steady: no catch-up beyond the last verify)
   target verifies       1+k tokens per request in one forward; the engine calls
-  observe(batch, hidden) after every target forward (MTP keeps the target's hidden states)
+  observe(chunks, batch, hidden) after every target forward (MTP keeps the target's hidden
+                        states of positions its layer has not run over, at most 1+K per request)
   accept(...)           right after verification, tensors only (MTP re-runs over the verify
                         batch with the target's hidden states: no device-to-host sync)
   commit(seqs, ...)     host bookkeeping once accepted lengths are read
@@ -22,6 +23,7 @@ import torch
 
 from moespec.batch import Batch
 from moespec.sampling import SamplingBatch, compute_probs, sample
+from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
 
 
@@ -43,8 +45,14 @@ class Speculator:
         """KV slots a request needs beyond its next token (verify writes K, a draft may write one more)."""
         return self.max_tokens + 1 if self.max_tokens else 0
 
-    def observe(self, batch: Batch, hidden: torch.Tensor) -> None:
-        pass
+    def state_bytes(self) -> int:
+        """Bytes the per-request draft state of all running requests may hold between steps, beyond
+        KV caches (a memory planner counts them)."""
+        return 0
+
+    def observe(self, chunks: list[ScheduledChunk], batch: Batch, hidden: torch.Tensor) -> None:
+        """After a target forward: `chunks` are the step's requests in batch order, `hidden` [T, M]
+        its hidden states (a verify batch has 1 + K rows per chunk)."""
 
     def propose(self, seqs: list[Sequence], k: int, rows: "DraftRows") -> Proposal:
         raise NotImplementedError

@@ -6,8 +6,11 @@ predicts token i+2; it shares the target's page ids (and, right after verificati
   hidden states (`accept`): input tokens are the verify tokens shifted left with the new
   token plugged in at each request's accepted length, all with tensor ops, so nothing waits
   for the host to read accepted lengths. Rejected slots write KV that is overwritten later.
-- Requests the MTP layer has not seen yet (after a prefill, a mixed batch, or steps that did
-  not speculate) catch up in `propose` from the target hidden states kept per KV slot.
+- Positions the MTP layer has not seen yet (a prefill, a mixed batch, steps that did not
+  speculate) keep the target's hidden states per request (`MTPState.pending`). A request
+  holding more than 1 + K of them is flushed right after the target forward (`observe`): the
+  MTP layer runs over those whose next token is known. The rest catch up in `propose`. So
+  between steps a running request holds at most 1 + K hidden states, whatever the KV capacity.
 - k > 1 chains the layer on its own hidden states.
 
 Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidden.
@@ -21,6 +24,7 @@ import torch
 
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch, Span, pack_spans
+from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator, gather_rows
 
@@ -28,33 +32,106 @@ from moespec.speculation.base import DraftRows, Proposal, Speculator, gather_row
 @dataclass
 class MTPState:
     computed: int = 0  # positions whose MTP KV holds the target-hidden-state version
+    pending: torch.Tensor | None = None  # [n, M] the target's hidden states at positions computed .. computed+n-1
     logits: torch.Tensor | None = None  # [V] carried: predicts the token after the last one
     hidden: torch.Tensor | None = None  # [M] the MTP output that produced `logits`
+
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else self.pending.shape[0]
 
 
 class MTPSpeculator(Speculator):
     mode = "mtp"
 
-    def __init__(self, mtp_model, caches, num_tokens: int, num_pages: int, page_size: int, hidden_size: int,
+    def __init__(self, mtp_model, caches, num_tokens: int, max_num_seqs: int, page_size: int, hidden_size: int,
                  dtype: torch.dtype, device, attention_backend: str = "torch") -> None:
         """`mtp_model` offers forward_mtp / compute_mtp_logits; `caches` are the KV layers it writes
         (the target's own cache for a built-in layer, a separate one for an external head)."""
         self.mtp, self.caches = mtp_model, caches
         self.max_tokens = num_tokens
-        self.page_size = page_size
-        self.hidden_cache = torch.zeros(num_pages * page_size, hidden_size, dtype=dtype, device=device)
-        self.backend = create_backend(attention_backend)  # for catch-up and chain steps
+        self.max_num_seqs, self.page_size = max_num_seqs, page_size
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
+        self.backend = create_backend(attention_backend)  # for flushes, catch-up and chain steps
         self.states: dict[str, MTPState] = {}
         self.sync = None  # RankSync when a built-in MTP layer's experts are sharded over ranks
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
 
-    def observe(self, batch: Batch, hidden: torch.Tensor) -> None:
-        self.hidden_cache[batch.slot_mapping()] = hidden.to(self.hidden_cache.dtype)
-
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def max_pending_tokens(self) -> int:
+        """Target hidden states held between steps: at most 1 + K per running request."""
+        return self.max_num_seqs * (1 + self.max_tokens)
+
+    def state_bytes(self) -> int:
+        """max_pending_tokens hidden states [M] in the target's dtype."""
+        return self.max_pending_tokens * self.hidden_size * self.dtype.itemsize
+
+    def pending_tokens(self) -> int:
+        """Target hidden states held now, over all requests."""
+        return sum(state.num_pending for state in self.states.values())
+
+    # ------------------------------------------------------------------ after a target forward
+
+    @torch.inference_mode()
+    def observe(self, chunks: list[ScheduledChunk], batch: Batch, hidden: torch.Tensor) -> None:
+        """Keep the target's hidden states [T, M] per request, then flush the requests that hold
+        more than 1 + K. A verify batch's are consumed by `accept`."""
+        if batch.mode == "verify":
+            return
+        hidden, row, over = hidden.to(self.dtype), 0, []
+        for chunk in chunks:
+            if self.hold(chunk, hidden[row: row + chunk.num_tokens]):
+                over.append(chunk.seq)
+            row += chunk.num_tokens
+        if over:
+            self.flush(over)
+
+    def hold(self, chunk: ScheduledChunk, rows: torch.Tensor) -> bool:
+        """Append a chunk's hidden states [n, M] to its request's pending ones; True when they
+        exceed 1 + K (held as a view of the batch's until `flush` consumes them)."""
+        state = self.state(chunk.seq)
+        if chunk.start != state.computed + state.num_pending:
+            raise RuntimeError(f"MTP: request {chunk.seq.request_id} has target hidden states up to position "
+                               f"{state.computed + state.num_pending}, this chunk starts at {chunk.start}")
+        over = state.num_pending + rows.shape[0] > 1 + self.max_tokens
+        if state.pending is None:
+            state.pending = rows if over else rows.clone()  # not a view that keeps the batch's alive
+        else:
+            state.pending = torch.cat([state.pending, rows])
+        return over
+
+    def flush(self, seqs: list[Sequence]) -> None:
+        """MTP over each request's pending positions whose next token is known, in one forward.
+        A chunk that reached the last known token keeps its last position pending; the carried
+        logits are stale from here on and the request catches up in `propose`."""
+        ends = []
+        for seq in seqs:
+            state = self.state(seq)
+            ends.append(min(state.computed + state.num_pending, seq.num_tokens - 1))
+            state.logits = state.hidden = None
+        spans, hidden = self.take(seqs, ends)
+        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[False] * len(spans)).to(self.device)
+        self.forward(batch, batch.input_ids, hidden)
+
+    def take(self, seqs: list[Sequence], ends: list[int]) -> tuple[list[Span], torch.Tensor]:
+        """Per request, the span of positions [computed, end) with the tokens after them, and their
+        pending hidden states [T, M]; they count as computed from now on and are dropped."""
+        spans, hidden = [], []
+        for seq, end in zip(seqs, ends):
+            state = self.state(seq)
+            n = end - state.computed
+            spans.append(Span(seq.pages, state.computed, seq.token_at(state.computed + 1, end + 1)))
+            hidden.append(state.pending[:n])
+            state.pending = state.pending[n:].clone() if n < state.num_pending else None
+            state.computed = end
+        return spans, torch.cat(hidden)
 
     # ------------------------------------------------------------------ draft
 
@@ -80,36 +157,44 @@ class MTPSpeculator(Speculator):
         return self.run(batch, token, hidden)
 
     def catch_up(self, seqs: list[Sequence]) -> int:
-        """MTP over positions [computed, m-1) from the kept target hidden states; m = num_tokens.
+        """MTP over positions [computed, m-1) from the pending target hidden states; m = num_tokens.
         Returns how many requests had to catch up (none in steady speculation)."""
-        spans, lagging = [], []
-        for seq in seqs:
-            state = self.state(seq)
-            end = seq.num_tokens - 1  # MTP at position p needs token p+1 and the target's hidden at p
-            if state.computed >= end and state.logits is not None:
-                continue
-            start = min(state.computed, end - 1)
-            spans.append(Span(seq.pages, start, seq.token_at(start + 1, end + 1)))
-            lagging.append(seq)
-        if not spans:
+        lagging = [seq for seq in seqs if self.lags(seq)]
+        if not lagging:
             return 0
-        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans))
-        batch = batch.to(self.hidden_cache.device)
-        hidden = self.hidden_cache[batch.slot_mapping()]
+        spans, hidden = self.take(lagging, [seq.num_tokens - 1 for seq in lagging])
+        batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans)).to(self.device)
         logits, out = self.run(batch, batch.input_ids, hidden, rows=batch.sample_indices)
         for row, seq in enumerate(lagging):
-            self.states[seq.request_id] = MTPState(seq.num_tokens - 1, logits[row], out[row])
+            state = self.state(seq)
+            state.logits, state.hidden = logits[row], out[row]
         return len(lagging)
 
-    def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
-            rows: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP forward over a batch; returns (logits [N, V], hidden [N, M]) at `rows` (default: all)."""
+    def lags(self, seq: Sequence) -> bool:
+        """Whether the carried logits do not yet predict the token after seq's last one."""
+        state = self.state(seq)
+        end = seq.num_tokens - 1  # MTP at position p needs token p+1 and the target's hidden at p
+        if state.computed >= end and state.logits is not None:
+            return False
+        if state.computed >= end or state.computed + state.num_pending != end:
+            raise RuntimeError(f"MTP: request {seq.request_id} holds {state.num_pending} target hidden states from "
+                               f"position {state.computed}, needs positions {state.computed} .. {end - 1}")
+        return True
+
+    def forward(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
+                ctx: ForwardContext | None = None) -> torch.Tensor:
+        """MTP layer over a batch (writes its KV) -> hidden [T, M]."""
         reuse_target = ctx is not None  # the verify re-run: the target's plan and hidden states
         if ctx is None:
             self.backend.plan(batch.attention_metadata())
             ctx = ForwardContext(self.backend, self.caches)
         with self.sync.mtp(batch, token_ids, hidden, reuse_target) if self.sync else contextlib.nullcontext():
-            out = self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
+            return self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
+
+    def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
+            rows: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP forward over a batch; returns (logits [N, V], hidden [N, M]) at `rows` (default: all)."""
+        out = self.forward(batch, token_ids, hidden, ctx)
         if rows is not None:
             out = out[rows]
         return self.mtp.compute_mtp_logits(0, out).float(), out
