@@ -23,7 +23,7 @@ serve: $(STAMP)
 	$(BIN)/moespec serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q

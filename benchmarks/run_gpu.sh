@@ -9,6 +9,8 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 $PY -c "import moespec.models" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
+# GPU-only tests (the CUDA FP8 path against the CPU reference, ...), output kept
+$PY -m pytest -q -s -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/pytest-gpu.log" || echo "GPU tests failed: see $OUT/pytest-gpu.log"
 $PY - <<'PY'
 from moespec import LLM, SamplingParams
 from moespec.bench import heldout_prompts

@@ -240,7 +240,8 @@ class DeepseekV3Model(nn.Module):
                                           interleave=config.rope_interleave)
 
 
-EXPERT_PARAM = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_PARAM = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+DEQUANTIZED = ("kv_b_proj",)  # absorbed into attention as [H, D, C] slices: kept in the model dtype
 MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
@@ -320,7 +321,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def rename(self, name: str) -> str | None:
         """HF/DeepSeek tensor name -> parameter name; MTP layers live at model.layers.{L+i}."""
-        name = EXPERT_PARAM.sub(lambda m: ".experts.w2" if m.group(1) == "down_proj" else ".experts.w13", name)
+        name = EXPERT_PARAM.sub(lambda m: (".experts.w2" if m.group(1) == "down_proj" else ".experts.w13")
+                                + (m.group(2) or ""), name)
         found = self.mtp_index(name)
         if found is None:
             return name
@@ -337,24 +339,36 @@ class DeepseekV3ForCausalLM(nn.Module):
             return param
         return f"model.layers.{self.config.num_hidden_layers + int(match.group(1))}.{match.group(2)}"
 
+    def fp8_modules(self) -> list[nn.Module]:
+        """The modules whose weights stay FP8 when the checkpoint is FP8 (DeepSeek's released
+        layout): every projection of the decoder layers, MTP block included, and the routed and
+        shared experts; not the embeddings, lm_head, router, eh_proj or kv_b_proj."""
+        layers = list(self.model.layers) + list(self.mtp)
+        return [module for layer in layers for name, module in layer.named_modules()
+                if name.startswith(("self_attn.", "mlp.")) and not name.endswith(DEQUANTIZED)
+                and hasattr(module, "to_fp8")]
+
     def load_weights(self, loader: WeightLoader) -> None:
         ignore = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
         shared = loader.load_into(self, rename=self.rename, checkpoint_name=self.checkpoint_name,
                                   ignore_missing=ignore, ignore_unexpected=ignore, capture=self.is_mtp_shared)
-        for name, tensor in shared.items():
-            self.attach_mtp_shared(name, tensor)
+        for name in shared:
+            self.attach_mtp_shared(name, loader)
 
-    def attach_mtp_shared(self, name: str, tensor: torch.Tensor) -> None:
+    def attach_mtp_shared(self, name: str, loader: WeightLoader) -> None:
         """MTP layers store their own copy of embed_tokens / shared_head.head; share the target's
-        tensor when equal (as in the released checkpoints) and keep a separate copy otherwise."""
+        tensor when equal (as in the released checkpoints; compared a few rows at a time) and keep a
+        separate copy otherwise."""
         index, rest = self.mtp_index(name)
         is_embed = rest.startswith("embed")
         main = self.model.embed_tokens if is_embed else self.lm_head
-        if tuple(tensor.shape) != tuple(main.weight.shape):
-            raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(main.weight.shape)}")
-        tensor = tensor.to(main.weight.dtype)
-        if torch.equal(tensor, main.weight.data):
+        shape = tuple(loader.entry(name).shape)
+        if shape != tuple(main.weight.shape):
+            raise WeightError(f"tensor {name!r} has shape {shape}, expected {tuple(main.weight.shape)}")
+        if loader.equals(name, main.weight.data):
             return
-        own = nn.Embedding(*tensor.shape) if is_embed else Linear(tensor.shape[1], tensor.shape[0])
-        own.weight.data = tensor.clone()
+        device, dtype = main.weight.device, main.weight.dtype
+        own = nn.Embedding(*shape, device=device, dtype=dtype) if is_embed else \
+            Linear(shape[1], shape[0]).to(device=device, dtype=dtype)
+        loader.read_into(name, own.weight.data)
         (self.mtp_embeds if is_embed else self.mtp_heads)[index] = own

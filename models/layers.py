@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moespec.models.fp8 import dequantize_fp8_block, fp8_linear, is_fp8, scale_shape
+
 FP8_BLOCK = 128
 
 
@@ -26,13 +28,6 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # normalize in float32, scale in the input dtype (as the reference implementations do)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """DeepSeek FP8 e4m3 weight [out, in] with one scale per 128x128 block [ceil(out/128), ceil(in/128)]."""
-    out_dim, in_dim = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_dim].repeat_interleave(FP8_BLOCK, 1)[:, :in_dim]
-    return (weight.float() * scale).to(dtype)
 
 
 SMALL_ROWS = range(2, 33)  # row counts for which CPU float32 linears run as weight @ xᵀ
@@ -59,27 +54,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear with one dispatch point for quantized weights.
+    """nn.Linear with one dispatch point for FP8-resident weights.
 
-    Weights arrive in the model dtype (FP8 checkpoints are dequantized by the loader on CPU).
-    A GPU build can register an FP8 GEMM in `FP8_GEMM` and keep `weight` in float8 with its
-    `weight_scale_inv`; forward then calls that kernel instead of dequantizing.
+    `to_fp8()` (on a model built on the meta device, before its weights are materialized) makes
+    `weight` e4m3 [out, in] with its 128x128 block scales `weight_scale_inv` [ceil(out/128),
+    ceil(in/128)], as DeepSeek's checkpoints store them; forward then runs the block-scaled FP8
+    GEMM (models.fp8). Otherwise weights are in the model dtype.
     """
 
-    FP8_GEMM = None  # callable(x, weight_fp8, scale_inv) -> y, set by a GPU backend
     pad_single_row = False  # see `linear`; set by the model runner for models that stream weights
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.weight_scale_inv: torch.Tensor | None = None
+        self.register_parameter("weight_scale_inv", None)
+
+    def to_fp8(self) -> None:
+        out_dim, in_dim = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_dim, in_dim, dtype=torch.float8_e4m3fn, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape(out_dim, in_dim), device=device),
+                                             requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is None:
-            return linear(x, self.weight, self.bias, self.pad_single_row)
-        if Linear.FP8_GEMM is not None:
-            return Linear.FP8_GEMM(x, self.weight, self.weight_scale_inv)
-        weight = dequantize_fp8_block(self.weight, self.weight_scale_inv, x.dtype)
-        return linear(x, weight, self.bias, self.pad_single_row)
+        if is_fp8(self.weight):
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        return linear(x, self.weight, self.bias, self.pad_single_row)
 
 
 class MergedLinear(Linear):
@@ -95,24 +95,34 @@ class MergedLinear(Linear):
         super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)  # checkpoint module name -> output features, in row order
         self.sizes = list(parts.values())
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.weight_loader = self.load_part
-                param.num_loads = len(parts)
+        self.mark_parts()
 
-    def load_part(self, param: torch.Tensor, tensor: torch.Tensor, name: str) -> bool:
+    def mark_parts(self) -> None:
+        for param in (self.weight, self.bias, self.weight_scale_inv):
+            if param is not None:
+                param.weight_loader = self.locate_part
+                param.num_loads = len(self.parts)
+
+    def to_fp8(self) -> None:
+        """Each part's rows must fill whole 128-row scale blocks."""
+        if any(size % FP8_BLOCK for size in self.sizes):
+            raise ValueError(f"parts {self.parts} are not multiples of {FP8_BLOCK} rows: they cannot share FP8 "
+                             "block scales")
+        super().to_fp8()
+        self.mark_parts()
+
+    def locate_part(self, param: torch.Tensor, name: str) -> torch.Tensor:
+        """The rows of `param` that checkpoint tensor `name` (one part's weight, bias or scales) fills."""
         from moespec.models.weights import WeightError  # weights imports this module
 
         part = name.rsplit(".", 2)[-2]
         if part not in self.parts:
             raise WeightError(f"tensor {name!r} is none of {list(self.parts)}")
         start = sum(self.sizes[: list(self.parts).index(part)])
-        rows = param[start: start + self.parts[part]]
-        if tuple(tensor.shape) != tuple(rows.shape):
-            raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
-        with torch.no_grad():
-            rows.copy_(tensor.to(param.dtype))
-        return True
+        rows = self.parts[part]
+        if param is self.weight_scale_inv:
+            start, rows = start // FP8_BLOCK, rows // FP8_BLOCK
+        return param[start: start + rows]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[N, sum of outs] -> one [N, out] view per part."""
@@ -125,9 +135,12 @@ def merged_parts(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear):
             parent = name.rpartition(".")[0]
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias", "weight_scale_inv"):
+                if kind == "weight_scale_inv" and module.weight_scale_inv is None:
+                    continue
                 parts = [f"{parent}.{part}.{kind}".lstrip(".") for part in module.parts]
-                yield f"{name}.{kind}", parts, module.sizes
+                sizes = [s // FP8_BLOCK for s in module.sizes] if kind == "weight_scale_inv" else module.sizes
+                yield f"{name}.{kind}", parts, sizes
 
 
 def merged_aliases(model: nn.Module) -> dict[str, str]:
@@ -261,9 +274,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, rope: RopeConfig, max_position_embeddings: int, interleave: bool = False) -> None:
         super().__init__()
-        self.inv_freq, self.scale = compute_inv_freq(rope, dim, max_position_embeddings)  # [R/2] float32
+        with torch.device("cpu"):  # real tables even when the model is built on the meta device
+            self.inv_freq, self.scale = compute_inv_freq(rope, dim, max_position_embeddings)  # [R/2] float32
+            self.cos_sin = self.compute_cos_sin(max_position_embeddings)  # [P, R]: cos | sin
         self.interleave = interleave
-        self.cos_sin = self.compute_cos_sin(max_position_embeddings)  # [P, R]: cos | sin
 
     def compute_cos_sin(self, num_positions: int) -> torch.Tensor:
         freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [P, R/2]
@@ -272,7 +286,8 @@ class RotaryEmbedding(nn.Module):
     def reserve(self, num_positions: int) -> None:
         """Extend the table to positions 0..num_positions-1 (a cache may outgrow the model's max)."""
         if num_positions > self.cos_sin.shape[0]:
-            self.cos_sin = self.compute_cos_sin(num_positions).to(self.cos_sin.device)
+            with torch.device("cpu"):
+                self.cos_sin = self.compute_cos_sin(num_positions).to(self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, R/2] each."""

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moespec.models.fp8 import BLOCK, expert_linear, grouped_linear, scale_shape
 from moespec.models.layers import linear
 from moespec.models.weights import WeightError
 
-EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
 class MoEExperts(Protocol):
@@ -25,7 +26,9 @@ class MoEExperts(Protocol):
 
 
 class LocalExperts(nn.Module):
-    """Experts [first, first + num_local) stacked as w13 [E, 2I, M] (gate; up) and w2 [E, M, I]."""
+    """Experts [first, first + num_local) stacked as w13 [E, 2I, M] (gate; up) and w2 [E, M, I];
+    after `to_fp8()`, e4m3 with block scales w13_scale_inv [E, 2I/128, M/128], w2_scale_inv
+    [E, M/128, I/128]. Only this rank's experts are allocated and read from the checkpoint."""
 
     pad_single_row = False  # as in models.layers.Linear
     # Batches of at most this many (token, expert) pairs per local expert run every expert
@@ -43,35 +46,63 @@ class LocalExperts(nn.Module):
         self.intermediate = intermediate
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, intermediate))
-        for param, parts in ((self.w13, 2), (self.w2, 1)):
-            param.weight_loader = self.load_expert
-            param.num_loads = self.num_local * parts
+        self.register_parameter("w13_scale_inv", None)
+        self.register_parameter("w2_scale_inv", None)
+        self.mark_loaders()
         nn.init.normal_(self.w13, std=0.02)
         nn.init.normal_(self.w2, std=0.02)
+
+    def mark_loaders(self) -> None:
+        for param, parts in ((self.w13, 2), (self.w2, 1), (self.w13_scale_inv, 2), (self.w2_scale_inv, 1)):
+            if param is not None:
+                param.weight_loader = self.locate_expert
+                param.num_loads = self.num_local * parts
+
+    def to_fp8(self) -> None:
+        """e4m3 expert weights with their block scales (on a meta-built model, before loading)."""
+        if self.intermediate % BLOCK:
+            raise ValueError(f"moe_intermediate_size {self.intermediate} is not a multiple of {BLOCK}: the gate and "
+                             "up projections cannot share FP8 block scales")
+        E, device = self.num_local, self.w13.device
+        for name in ("w13", "w2"):
+            _, rows, cols = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(E, *scale_shape(rows, cols), device=device),
+                                                            requires_grad=False))
+        self.mark_loaders()
 
     @classmethod
     def for_config(cls, config) -> "LocalExperts":
         return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def load_expert(self, param: torch.Tensor, tensor: torch.Tensor, name: str) -> bool:
-        """Copy one checkpoint expert matrix into its slot; experts of other ranks are skipped."""
+    @classmethod
+    def shard_factory(cls, ep_size: int, ep_rank: int):
+        """An experts factory holding rank `ep_rank`'s share of the experts (for sizing a rank's model)."""
+        def build(config) -> "LocalExperts":
+            num_local = config.n_routed_experts // ep_size
+            return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                       first=ep_rank * num_local, num_local=num_local)
+        return build
+
+    def locate_expert(self, param: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The slot of `param` that checkpoint tensor `name` (one expert's matrix or its scales) fills;
+        None for another rank's expert, which is then never read."""
         match = EXPERT_NAME.match(name)
         if match is None:
             raise WeightError(f"tensor {name!r} does not name an expert matrix (experts.<id>.<proj>.weight)")
-        expert, proj = int(match.group(1)), match.group(2)
+        expert, proj, scales = int(match.group(1)), match.group(2), bool(match.group(3))
         if not self.first <= expert < self.first + self.num_local:
-            return False
-        I = self.intermediate
-        target = {"gate_proj": self.w13[expert - self.first, :I], "up_proj": self.w13[expert - self.first, I:],
-                  "down_proj": self.w2[expert - self.first]}[proj]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
-        return True
+            return None
+        local = expert - self.first
+        I = self.intermediate // BLOCK if scales else self.intermediate
+        w13 = self.w13_scale_inv if scales else self.w13
+        w2 = self.w2_scale_inv if scales else self.w2
+        return {"gate_proj": w13[local, :I], "up_proj": w13[local, I:], "down_proj": w2[local]}[proj]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] * topk_ids.shape[1] <= self.dense_pairs_per_expert * self.num_local:
+        few = x.shape[0] * topk_ids.shape[1] <= self.dense_pairs_per_expert * self.num_local
+        if few and self.w13_scale_inv is None:
             return self.forward_dense(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
 
@@ -90,28 +121,25 @@ class LocalExperts(nn.Module):
         return (chosen * topk_weights.t()[:, :, None]).sum(0)  # [T, M]
 
     def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Group (token, slot) pairs by expert and run each hit expert once on its own weights.
+        """Sort the (token, slot) pairs by expert and run the two projections as grouped GEMMs,
+        each hit expert on its own weights (read in place, never gathered).
 
         All ids must be local: the EP layer sends each rank only its experts' tokens. (Gathering
         the chosen experts' weights into one batched matmul looked cheaper for decode-size
         batches, but copying the weights doubles memory traffic and was 1.6x slower on the
         trained tiny-deepseek-v3.)
         """
-        out = torch.zeros_like(x)  # [T, M]
         A = topk_ids.shape[1]
         flat_ids = topk_ids.flatten() - self.first  # [T*A]
-        flat_weights = topk_weights.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        start = 0
-        for local, count in enumerate(torch.bincount(flat_ids, minlength=self.num_local).tolist()):
-            if count == 0:
-                continue
-            picks = order[start: start + count]  # [n] (token, slot) entries routed to this expert
-            start += count
-            tokens = picks // A
-            out.index_add_(0, tokens, self.run_expert(local, x[tokens]) * flat_weights[picks, None])
-        return out
+        order = torch.argsort(flat_ids, stable=True)  # [P] pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.num_local).tolist()
+        tokens = order // A  # [P]
+        pad = self.pad_single_row
+        gate, up = grouped_linear(x[tokens], counts, self.w13, self.w13_scale_inv, pad).chunk(2, dim=-1)  # [P, I] each
+        y = grouped_linear(F.silu(gate) * up, counts, self.w2, self.w2_scale_inv, pad)  # [P, M]
+        weighted = y * topk_weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, weighted)  # [T, M]
 
     def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.w13[local], pad_single_row=self.pad_single_row).chunk(2, dim=-1)  # [n, I] each
-        return linear(F.silu(gate) * up, self.w2[local], pad_single_row=self.pad_single_row)  # [n, M]
+        gate, up = expert_linear(x, self.w13, self.w13_scale_inv, local, self.pad_single_row).chunk(2, dim=-1)
+        return expert_linear(F.silu(gate) * up, self.w2, self.w2_scale_inv, local, self.pad_single_row)  # [n, M]

@@ -1,9 +1,14 @@
-"""HF model directories: config.json access, safetensors reading (single or sharded, FP8 block
-scales dequantized on CPU) and loading tensors into a model with clear errors."""
+"""HF model directories: config.json access, safetensors reading (single or sharded) and loading
+tensors into a model with clear errors.
+
+Tensors are read with positioned reads straight into the parameters they belong to, only those
+this process holds; FP8 weights stay FP8 where the model keeps them so (models.fp8) and are
+dequantized with their 128x128 block scales where it does not."""
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from moespec.models.layers import dequantize_fp8_block, merged_aliases
+from moespec.models.fp8 import FP8_DTYPES, dequantize_fp8_block, is_fp8
+from moespec.models.layers import merged_aliases
 
 SCALE_SUFFIX = "_scale_inv"
 HEADER_LIMIT = 100_000_000  # safetensors refuses larger headers
@@ -94,31 +100,27 @@ def describe_damage(path: Path) -> str:
     return "has a corrupt header"
 
 
-class SafetensorsFile:
-    """An open safetensors file whose read errors name the file and the tensor."""
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2}
 
-    def __init__(self, path: Path, handle) -> None:
-        self.path = path
-        self.handle = handle
 
-    def keys(self) -> list[str]:
-        return self.handle.keys()
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor's bytes are: its file and absolute byte range, dtype and shape."""
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self.handle.get_tensor(name)
-        except SAFETENSORS_ERRORS as e:
-            if name not in self.handle.keys():
-                raise WeightError(f"checkpoint file {self.path} has no tensor {name!r} ({e})") from e
-            if "end of file" in str(e).lower():
-                raise WeightError(f"checkpoint file {self.path} is truncated: tensor {name!r} runs past its end "
-                                  f"({e})") from e
-            raise WeightError(f"cannot read tensor {name!r} from {self.path} ({e})") from e
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
 @contextmanager
-def open_safetensors(path: Path) -> Iterator[SafetensorsFile]:
-    """safe_open whose errors are WeightErrors naming the file and what is wrong with it."""
+def open_safetensors(path: Path) -> Iterator[None]:
+    """Let safetensors validate the file (it reads the header only); its errors become WeightErrors
+    naming the file and what is wrong with it."""
     if not path.exists():
         raise WeightError(f"checkpoint file {path} is missing")
     if not path.is_file():
@@ -130,16 +132,61 @@ def open_safetensors(path: Path) -> Iterator[SafetensorsFile]:
     except SAFETENSORS_ERRORS as e:
         raise WeightError(f"cannot open checkpoint file {path} ({e})") from e
     with handle:
-        yield SafetensorsFile(path, handle)
+        yield
+
+
+def read_entries(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of a safetensors file, from its header (validated by safetensors first)."""
+    with open_safetensors(path):
+        pass
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    base, entries = 8 + length, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise WeightError(f"checkpoint file {path}: tensor {name!r} has dtype {info['dtype']}, which is not "
+                              f"supported; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        start, end = info["data_offsets"]
+        entries[name] = TensorEntry(path, dtype, tuple(info["shape"]), base + start, base + end)
+    return entries
+
+
+def read_bytes(entry: TensorEntry, out: torch.Tensor) -> None:
+    """Fill a contiguous CPU tensor of the entry's dtype and size with positioned reads: the bytes
+    land in `out` alone (no mapping of the file, no intermediate copy)."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    if len(view) != entry.end - entry.start:
+        raise WeightError(f"checkpoint file {entry.path}: a tensor of {entry.end - entry.start} bytes does not fit "
+                          f"{len(view)} bytes")
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], entry.start + done)
+            if n == 0:
+                raise WeightError(f"checkpoint file {entry.path} is truncated: a tensor ends at byte {entry.end}")
+            done += n
+    finally:
+        os.close(fd)
 
 
 class WeightLoader:
-    """Streams (name, tensor) pairs from a model directory's safetensors files."""
+    """Reads a model directory's safetensors (single or sharded) tensor by tensor into a model.
+
+    Only the tensors a model asks for are read (another rank's experts never are), each straight
+    into its parameter when dtype and device allow, else through one temporary of that tensor;
+    files are never mapped or read whole.
+    """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, show_progress: bool = True) -> None:
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.show_progress = show_progress
+        self.entries: dict[Path, dict[str, TensorEntry]] = {}
         self.files = self.index_files()
 
     def index_files(self) -> dict[str, Path]:
@@ -152,8 +199,8 @@ class WeightLoader:
             raise FileNotFoundError(f"model directory {str(self.model_dir)!r} has no *.safetensors files")
         names = {}
         for file in files:
-            with open_safetensors(file) as f:
-                names.update({name: file for name in f.keys()})
+            self.entries[file] = read_entries(file)
+            names.update({name: file for name in self.entries[file]})
         return names
 
     def read_index(self, index: Path) -> dict[str, Path]:
@@ -172,51 +219,90 @@ class WeightLoader:
             raise WeightError(f"{index.name} lists {', '.join(missing)}, which "
                               f"{'is' if len(missing) == 1 else 'are'} not in {self.model_dir}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        names = [n for n in self.files if not n.endswith(SCALE_SUFFIX)]
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.files[name], []).append(name)
-        bar = tqdm(total=len(names), desc="loading weights", unit="tensor", disable=not self.show_progress)
-        for file, file_names in by_file.items():
-            with open_safetensors(file) as f:
-                for name in file_names:
-                    yield name, self.read(f, name)
-                    bar.update(1)
-        bar.close()
+    # ------------------------------------------------------------------ reading
 
-    def read(self, f: SafetensorsFile, name: str) -> torch.Tensor:
-        tensor = f.get_tensor(name)
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale_name = name + SCALE_SUFFIX
-            if scale_name not in self.files:
-                raise WeightError(f"FP8 tensor {name!r} has no block scale {scale_name!r}")
-            with open_safetensors(self.files[scale_name]) as sf:
-                return dequantize_fp8_block(tensor, sf.get_tensor(scale_name), self.dtype)
-        return tensor
+    def entry(self, name: str) -> TensorEntry:
+        path = self.files[name]
+        if path not in self.entries:
+            self.entries[path] = read_entries(path)
+        found = self.entries[path].get(name)
+        if found is None:
+            raise WeightError(f"checkpoint file {path} has no tensor {name!r}")
+        return found
+
+    def read(self, name: str) -> torch.Tensor:
+        """A checkpoint tensor as stored, in a new CPU tensor."""
+        entry = self.entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
+        read_bytes(entry, out)
+        return out
+
+    def read_into(self, name: str, dest: torch.Tensor) -> None:
+        """Checkpoint tensor `name` into `dest` (a parameter or a view of one). An FP8 tensor going
+        into a non-FP8 `dest` is dequantized with its block scales."""
+        entry = self.entry(name)
+        if tuple(entry.shape) != tuple(dest.shape):
+            raise WeightError(f"tensor {name!r} has shape {tuple(entry.shape)}, expected {tuple(dest.shape)}")
+        if is_fp8(dest) and entry.dtype != dest.dtype:
+            raise WeightError(f"tensor {name!r} is {entry.dtype}, but the model keeps this weight in {dest.dtype}; "
+                              "set model.quantization: none")
+        if entry.dtype in FP8_DTYPES and not is_fp8(dest):
+            value = dequantize_fp8_block(self.read(name), self.read(self.scale_of(name)), dest.dtype)
+        elif entry.dtype == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous():
+            read_bytes(entry, dest.detach())
+            return
+        else:
+            value = self.read(name)
+        with torch.no_grad():
+            dest.copy_(value.to(dest.dtype))
+
+    def scale_of(self, name: str) -> str:
+        scale = name + SCALE_SUFFIX
+        if scale not in self.files:
+            raise WeightError(f"FP8 tensor {name!r} has no block scale {scale!r}")
+        return scale
+
+    def equals(self, name: str, tensor: torch.Tensor, rows_per_read: int = 4096) -> bool:
+        """Whether checkpoint tensor `name`, in `tensor`'s dtype, equals `tensor`; read a few rows at
+        a time, so no copy of the whole tensor is made."""
+        entry = self.entry(name)
+        if tuple(entry.shape) != tuple(tensor.shape) or entry.dtype in FP8_DTYPES or not entry.shape:
+            return False
+        row_bytes = (entry.end - entry.start) // max(entry.shape[0], 1)
+        for first in range(0, entry.shape[0], rows_per_read):
+            rows = min(rows_per_read, entry.shape[0] - first)
+            part = torch.empty((rows, *entry.shape[1:]), dtype=entry.dtype)
+            start = entry.start + first * row_bytes
+            read_bytes(TensorEntry(entry.path, entry.dtype, tuple(part.shape), start, start + rows * row_bytes), part)
+            if not torch.equal(part.to(tensor.dtype), tensor[first: first + rows].cpu()):
+                return False
+        return True
+
+    # ------------------------------------------------------------------ loading a model
 
     def load_into(self, model: nn.Module, rename: Callable[[str], str | None] = lambda n: n,
                   ignore_missing: tuple[str, ...] = (), ignore_unexpected: tuple[str, ...] = (),
                   checkpoint_name: Callable[[str], str] = lambda n: n,
-                  capture: Callable[[str], bool] = lambda n: False) -> dict[str, torch.Tensor]:
-        """Copy every checkpoint tensor into the model; missing/unexpected/mis-shaped -> WeightError.
+                  capture: Callable[[str], bool] = lambda n: False) -> list[str]:
+        """Read every checkpoint tensor the model holds into it; missing/unexpected/mis-shaped ->
+        WeightError. Returns the names `capture` kept for the model to handle itself.
 
         `rename` maps a checkpoint name to a parameter name (None: skip on purpose; the parts of
-        merged projections then map to their MergedLinear) and
-        `checkpoint_name` maps back for error messages; tensors for which `capture` is true are
-        returned instead of loaded. A parameter
-        with a `weight_loader(param, tensor, ckpt_name) -> bool` attribute (stacked experts) loads
-        its parts itself and declares how many parts it expects in `num_loads`.
+        merged projections then map to their MergedLinear) and `checkpoint_name` maps back for
+        error messages. A parameter with a `weight_loader(param, ckpt_name) -> view | None`
+        attribute (stacked experts, merged parts) says where each of its checkpoint tensors goes
+        (None: it belongs to another rank and is not read) and how many it expects in `num_loads`.
+        Block scales of weights the model keeps dequantized are read with their weights.
         """
         targets = dict(model.named_parameters())
         targets.update(model.named_buffers())
         aliases = merged_aliases(model)  # q_proj/k_proj/v_proj -> qkv_proj, gate_proj/up_proj -> gate_up_proj
         loaded: Counter[str] = Counter()
         merged_parts_loaded: set[str] = set()
-        captured: dict[str, torch.Tensor] = {}
-        for name, tensor in self.tensors():
+        captured: list[str] = []
+        for name in tqdm(list(self.files), desc="loading weights", unit="tensor", disable=not self.show_progress):
             if capture(name):
-                captured[name] = tensor
+                captured.append(name)
                 continue
             target = rename(name)
             if target is None:
@@ -226,18 +312,14 @@ class WeightLoader:
                 target = aliases[target]
             param = targets.get(target)
             if param is None:
-                if any(fnmatch.fnmatch(name, p) for p in ignore_unexpected):
+                if name.endswith(SCALE_SUFFIX) or any(fnmatch.fnmatch(name, p) for p in ignore_unexpected):
                     continue
                 raise WeightError(f"unexpected tensor {name!r} in checkpoint {str(self.model_dir)!r}")
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loaded[target] += int(loader(param, tensor, name))
-                continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded[target] += 1
+            locate = getattr(param, "weight_loader", None)
+            dest = param if locate is None else locate(param, name)
+            if dest is not None:
+                self.read_into(name, dest)
+                loaded[target] += 1
         missing = []
         for n, p in targets.items():
             if loaded[n] >= getattr(p, "num_loads", 1) or any(fnmatch.fnmatch(n, pat) for pat in ignore_missing):

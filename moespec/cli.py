@@ -3,6 +3,7 @@
   moespec generate --config C --prompt "..." [--max-tokens N] [--temperature T] [--json]
   moespec serve    --config C [--host H] [--port P] [--api-key K]
   moespec bench    --config C --modes none,mtp --batch-sizes 1,4,16 --out results.json
+  moespec plan     --config C [--gpu-memory 141GB] [--json]
   moespec train-tokenizer | train-model | train-mtp-head | eval-head ...
 
 Any config key can be overridden with `--set section.key=value` (repeatable).
@@ -18,6 +19,7 @@ import sys
 # subcommands implemented elsewhere: name -> module exposing add_arguments(parser) and run(args)
 LAZY_COMMANDS = {
     "bench": ("moespec.bench", "measure speculation modes side by side (tokens/s, accept length, TTFT, TPOT)"),
+    "plan": ("moespec.plan", "per-rank memory of a deployment from config.json alone: weights, KV cache, buffers"),
     "train-tokenizer": ("moespec.training.tokenizer", "train the byte-level BPE tokenizer"),
     "train-model": ("moespec.training.train_model", "train a tiny target or draft model"),
     "train-mtp-head": ("moespec.training.train_mtp_head", "train an MTP head for a frozen target"),

@@ -30,6 +30,9 @@ class ModelSection:
     seed: int = 0
     tokenizer: str | None = None  # default: the model directory
     served_model_name: str | None = None
+    # fp8: keep the checkpoint's block-scaled e4m3 weights; none: dequantize on load;
+    # auto: fp8 when config.json's quantization_config says block-scaled e4m3
+    quantization: Literal["auto", "fp8", "none"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class ParallelSection:
 @dataclass(frozen=True)
 class CacheSection:
     page_size: int = 16
-    num_kv_pages: int = 2048
+    num_kv_pages: int | Literal["auto"] = 2048  # auto: fill memory_fraction of the device (moespec plan)
+    memory_fraction: float = 0.9  # of the device's memory (the host's for CPU) that everything may use
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_positive(self.cache.page_size, "cache.page_size")
-        check_positive(self.cache.num_kv_pages, "cache.num_kv_pages")
+        if self.cache.num_kv_pages != "auto":
+            check_positive(self.cache.num_kv_pages, "cache.num_kv_pages")
+        if not 0 < self.cache.memory_fraction <= 1:
+            raise ConfigError(f"cache.memory_fraction must be in (0, 1], got {self.cache.memory_fraction!r}")
         check_positive(self.scheduler.max_num_seqs, "scheduler.max_num_seqs")
         check_positive(self.scheduler.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
         check_positive(self.parallel.ep_size, "parallel.ep_size")
@@ -128,6 +135,7 @@ FLAT_KEYS = {
     "model": "model.path", "dtype": "model.dtype", "device": "model.device", "seed": "model.seed",
     "max_model_len": "model.max_model_len", "attention_backend": "model.attention_backend",
     "tokenizer": "model.tokenizer", "served_model_name": "model.served_model_name",
+    "quantization": "model.quantization", "memory_fraction": "cache.memory_fraction",
     "page_size": "cache.page_size", "num_kv_pages": "cache.num_kv_pages",
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",

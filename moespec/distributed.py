@@ -85,8 +85,11 @@ def follow(config: EngineConfig, ctx, runtime, model=None) -> None:
     from moespec.models import load_model
     from moespec.parallel import ep_experts_factory
 
+    from moespec.plan import resolve_kv_pages
+
+    config = resolve_kv_pages(config)  # the leader sizes its cache with the same plan
     model = model or load_model(config.model.path, config.model.dtype, config.model.device, show_progress=False,
-                                experts_factory=ep_experts_factory(runtime))
+                                quantization=config.model.quantization, experts_factory=ep_experts_factory(runtime))
     runner = ModelRunner(model, config.cache.num_kv_pages, config.cache.page_size, config.model.attention_backend,
                          config.model.device)
     mtp_backend = create_backend(config.model.attention_backend)

@@ -23,6 +23,7 @@ from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
+from moespec.plan import resolve_kv_pages
 from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
                               exact_tokens, greedy_tokens)
 from moespec.scheduler import Scheduler, SchedulerOutput
@@ -98,13 +99,16 @@ class EngineOutputs:
 class Engine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, ranks=None) -> None:
         """`ranks` (from distributed.run_as_rank) when experts are sharded over several processes."""
+        if model is None or config.cache.num_kv_pages == "auto":
+            config = resolve_kv_pages(config)  # before any weight is read: fits, or a ConfigError saying why not
         self.config = config
         c = config
         if c.parallel.ep_size > 1 and ranks is None:
             raise ValueError("parallel.ep_size > 1: join the ranks first (moespec.distributed.run_as_rank)")
         self.ranks = ranks
         experts = {} if ranks is None else {"experts_factory": ep_experts_factory(ranks.runtime)}
-        self.model = model or load_model(c.model.path, c.model.dtype, c.model.device, **experts)
+        self.model = model or load_model(c.model.path, c.model.dtype, c.model.device,
+                                         quantization=c.model.quantization, **experts)
         self.tokenizer = tokenizer if model is not None else load_tokenizer(c.model.tokenizer or c.model.path)
         self.vocab_size = self.model.config.vocab_size
         self.allocator = PageAllocator(c.cache.num_kv_pages, c.cache.page_size)

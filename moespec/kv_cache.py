@@ -49,6 +49,12 @@ class PageAllocator:
         return 1.0 - len(self.free_pages) / self.num_pages
 
 
+def kv_bytes_per_token(specs: list[KVSpec], dtype: torch.dtype) -> int:
+    """Bytes one token takes in a cache of these layers (what KVCache allocates per slot)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(s.num_kv_heads * (s.k_dim + (s.v_dim if s.separate_v else 0)) for s in specs) * size
+
+
 class KVCache:
     """One model's cache tensors: per layer k [P, S, Hk, Dk] and v [P, S, Hk, Dv] (or none)."""
 

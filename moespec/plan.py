@@ -1,0 +1,356 @@
+"""Memory per rank, from config.json alone: `moespec plan`, and how the engine sizes its KV cache.
+
+  moespec plan --config configs/deepseek-v3.yaml --set parallel.ep_size=16 --gpu-memory 141GB [--json]
+
+The model of one rank is built on the meta device (shapes and dtypes, nothing allocated), so
+its weight bytes are those of the parameters that rank will really hold: its share of the
+routed experts (MTP layer included), FP8 weights with their float32 block scales, the rest in
+the model dtype. Added to them: the draft model or MTP head, the MTP state, DeepEP's buffers,
+the activations of a forward over `max_num_batched_tokens` tokens and a reserve. What is left
+of `cache.memory_fraction` of the device is KV cache (`cache.num_kv_pages: auto`), or the
+configured pages must fit in it. A deployment that does not fit is refused before any weight is
+read, naming the component that tips it over.
+
+Formulas that are estimates (activations, DeepEP's normal-mode buffers, the reserve) say so in
+their component's note; they have not been checked against a GPU's allocator yet.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moespec.config import ConfigError, EngineConfig
+
+GiB = 2**30
+ACTIVATION_WORKSPACE = 256 * 2**20  # attention planning and sampling scratch
+RESERVE = {"cuda": 4 * GiB, "cpu": 1 * GiB}  # CUDA context, NCCL buffers, allocator slack / the Python process
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's memory: everything but the KV cache, then the KV cache that fits (or is asked for)."""
+
+    device: str
+    device_bytes: int
+    memory_fraction: float
+    components: list[Component]  # weights by dtype, draft, MTP state, DeepEP, activations, reserve
+    weights_by_dtype: dict[str, int]
+    kv_bytes_per_token: int
+    page_size: int
+    num_kv_pages: int  # the configured pages, or the most that fit
+    max_model_len: int
+    fits: bool
+    problem: str | None = None
+    details: dict = field(default_factory=dict)
+
+    @property
+    def budget(self) -> int:
+        return int(self.memory_fraction * self.device_bytes)
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_kv_pages * self.page_size * self.kv_bytes_per_token
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_pages * self.page_size
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "device_bytes": self.device_bytes, "memory_fraction": self.memory_fraction,
+                "budget_bytes": self.budget, "weights_by_dtype": self.weights_by_dtype,
+                "components": [dataclasses.asdict(c) for c in self.components],
+                "kv_cache": {"bytes": self.kv_bytes, "bytes_per_token": self.kv_bytes_per_token,
+                             "pages": self.num_kv_pages, "page_size": self.page_size, "tokens": self.kv_tokens,
+                             "requests_at_max_model_len": self.kv_tokens // max(self.max_model_len, 1)},
+                "total_bytes": self.fixed_bytes + self.kv_bytes, "fits": self.fits, "problem": self.problem,
+                **self.details}
+
+
+# ---------------------------------------------------------------------------------- sizes
+
+
+def parse_bytes(text: str) -> int:
+    """'141GB', '141 GiB', '80e9', '1024' -> bytes (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B)?\s*", text)
+    if match is None:
+        raise ValueError(f"--gpu-memory {text!r}: expected a size such as 141GB or 80GiB")
+    units = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
+def device_memory(device: str) -> int:
+    """Total memory of `device` (the host's RAM for the CPU)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError("cannot tell the host's memory size (no /proc/meminfo); set cache.num_kv_pages")
+
+
+def param_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of a model's parameters and buffers by dtype, each tensor counted once."""
+    seen, by_dtype = set(), {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        key = str(tensor.dtype).removeprefix("torch.")
+        by_dtype[key] = by_dtype.get(key, 0) + tensor.numel() * tensor.element_size()
+    return by_dtype
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def deepep_low_latency_bytes(tokens: int, hidden: int, num_experts: int) -> int:
+    """DeepEP's low-latency RDMA buffer (`get_low_latency_rdma_size_hint`, its LowLatencyLayout):
+    two halves (odd/even), each a send buffer, a receive buffer for every expert's slots, and
+    signaling words; messages are a bf16 row or an FP8 row with per-128 scales."""
+    scales = hidden // 128
+    dispatch_msg = 16 + max(2 * hidden, hidden + 4 * scales)
+    combine_msg = 4 * scales + 2 * hidden
+    send = max(tokens * dispatch_msg, num_experts * tokens * combine_msg)
+    recv = num_experts * tokens * max(dispatch_msg, combine_msg)
+    signaling = num_experts * 4
+    total = 2 * (send + recv + signaling)
+    return -(-total // 128) * 128
+
+
+def deepep_normal_bytes(hidden: int, ep_size: int, top_k: int) -> int:
+    """DeepEP's normal-mode buffers from its size hints with its default configs (10 channels, 288
+    NVLink and 128 RDMA receive tokens per channel): an estimate."""
+    per_token = 2 * hidden + 4 * (hidden // 128) + top_k * 12 + 32
+    nvl = 10 * min(ep_size, 8) * 288 * per_token
+    rdma = 2 * 10 * (ep_size // 8) * 128 * per_token if ep_size > 8 else 0
+    return nvl + rdma
+
+
+def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.dtype, ep_size: int) -> int:
+    """A forward over `tokens` tokens at its peak (an estimate): residual, normed and projected
+    hidden states, MLA's latent queries and outputs, the routed experts' rows on this rank (the
+    average routing, doubled), float32 logits and sampling copies for the sampled rows."""
+    c = model_config
+    M, size = c.hidden_size, dtype_size(dtype)
+    per_token = 6 * M
+    if c.model_type == "deepseek_v3":
+        H = c.num_attention_heads
+        per_token += H * (c.qk_head_dim + 2 * (c.kv_lora_rank + c.qk_rope_head_dim) + c.v_head_dim)
+        routed_rows = 2 * tokens * c.num_experts_per_tok // max(ep_size, 1)
+        moe = routed_rows * (M + 3 * c.moe_intermediate_size) + tokens * 3 * c.intermediate_size
+    else:
+        per_token += 3 * c.num_attention_heads * c.head_dim
+        moe = tokens * 3 * c.intermediate_size
+    logits = 4 * sampled_rows * c.vocab_size * 4  # float32 logits, probs, penalties, noise
+    return tokens * per_token * size + moe * size + logits + ACTIVATION_WORKSPACE
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+def rank_model(config: EngineConfig, model_dir: str, quantization: str):
+    """One rank's model on the meta device: its share of the routed experts, in the planned dtypes."""
+    from moespec.models import build_on_meta, load_config, resolve_dtype
+    from moespec.models.moe import LocalExperts
+    from moespec.models.weights import read_hf_config
+
+    model_config = load_config(model_dir)
+    kwargs = {}
+    if model_config.model_type == "deepseek_v3":
+        from moespec.parallel.ep_moe import check_divisible
+
+        check_divisible(model_config.n_routed_experts, config.parallel.ep_size)
+        kwargs["experts_factory"] = LocalExperts.shard_factory(config.parallel.ep_size, 0)
+    model, quantization = build_on_meta(model_config, resolve_dtype(config.model.dtype), quantization,
+                                        read_hf_config(model_dir), **kwargs)
+    return model, model_config, quantization
+
+
+def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> MemoryPlan:
+    """The memory of one rank of `config`; device_bytes defaults to the configured device's total."""
+    from moespec.kv_cache import kv_bytes_per_token
+    from moespec.models import resolve_dtype
+
+    device = config.model.device
+    device_bytes = device_bytes if device_bytes is not None else device_memory(device)
+    dtype = resolve_dtype(config.model.dtype)
+    model, model_config, quantization = rank_model(config, config.model.path, config.model.quantization)
+    weights = param_bytes(model)
+    components = [Component(f"weights ({name})", size, "this rank's parameters, built on the meta device")
+                  for name, size in sorted(weights.items(), key=lambda kv: -kv[1])]
+    specs = list(model.kv_cache_spec())
+    spec, sched = config.speculation, config.scheduler
+    k = spec.num_speculative_tokens if spec.mode != "none" else 0
+    components += speculation_components(config, model, model_config, dtype, specs)
+    if spec.mode == "mtp":
+        components.append(Component("MTP state", sched.max_num_seqs * (1 + k) * model_config.hidden_size *
+                                    dtype_size(dtype), "target hidden states awaiting the MTP layer: "
+                                    "max_num_seqs x (1 + k) x hidden"))
+    components += deepep_components(config, model_config, k)
+    sampled = sched.max_num_seqs * (1 + k)
+    components.append(Component("activations", activation_bytes(model_config, sched.max_num_batched_tokens,
+                                                                 sampled, dtype, config.parallel.ep_size),
+                                f"a forward over max_num_batched_tokens={sched.max_num_batched_tokens} (estimate)"))
+    components.append(Component("reserve", RESERVE["cuda" if device.startswith("cuda") else "cpu"],
+                                "CUDA context, NCCL, allocator slack (estimate)" if device.startswith("cuda")
+                                else "the Python process (estimate)"))
+    per_token = kv_bytes_per_token(specs, dtype) + extra_kv_bytes_per_token(config, dtype)
+    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
+    return size_kv(config, device, device_bytes, components, weights, per_token, max_model_len,
+                   {"quantization": quantization, "ep_size": config.parallel.ep_size,
+                    "model": config.model.path})
+
+
+def speculation_components(config: EngineConfig, model, model_config, dtype, specs) -> list[Component]:
+    """A draft model's or external MTP head's weights (their KV is counted per token)."""
+    from moespec.models import build_model, load_config
+
+    spec = config.speculation
+    if spec.mode == "draft":
+        draft = build_model(load_config(config.draft.model), dtype, "meta")
+        return [Component("draft model weights", sum(param_bytes(draft).values()), config.draft.model)]
+    if spec.mode == "mtp" and spec.mtp_head:
+        from moespec.models.mtp_head import MTPHead, MTPHeadConfig
+        from moespec.models.weights import read_hf_config
+
+        with torch.device("meta"):
+            head = MTPHead(MTPHeadConfig.from_hf(read_hf_config(spec.mtp_head))).to(dtype)
+        return [Component("MTP head weights", sum(param_bytes(head).values()), spec.mtp_head)]
+    return []
+
+
+def extra_kv_bytes_per_token(config: EngineConfig, dtype) -> int:
+    """KV of a draft model or external MTP head, on the same page ids as the target's."""
+    from moespec.kv_cache import kv_bytes_per_token
+    from moespec.models import build_model, load_config
+
+    spec = config.speculation
+    if spec.mode == "draft":
+        return kv_bytes_per_token(build_model(load_config(config.draft.model), dtype, "meta").kv_cache_spec(), dtype)
+    if spec.mode == "mtp" and spec.mtp_head:
+        from moespec.models.mtp_head import MTPHead, MTPHeadConfig
+        from moespec.models.weights import read_hf_config
+
+        with torch.device("meta"):
+            head = MTPHead(MTPHeadConfig.from_hf(read_hf_config(spec.mtp_head)))
+        return kv_bytes_per_token(head.kv_cache_spec(), dtype)
+    return 0
+
+
+def deepep_components(config: EngineConfig, model_config, k: int) -> list[Component]:
+    p = config.parallel
+    if p.moe_backend != "deepep" or p.ep_size == 1 or model_config.model_type != "deepseek_v3":
+        return []
+    tokens = config.scheduler.max_num_seqs * (1 + k)  # EPRuntime.max_tokens_per_rank
+    M, E = model_config.hidden_size, model_config.n_routed_experts
+    return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
+                      f"LowLatencyLayout for {tokens} tokens per rank x {E} experts x hidden {M}"),
+            Component("DeepEP normal buffers", deepep_normal_bytes(M, p.ep_size, model_config.num_experts_per_tok),
+                      "NVLink/RDMA size hints at DeepEP's default configs (estimate)")]
+
+
+def size_kv(config: EngineConfig, device: str, device_bytes: int, components: list[Component],
+            weights: dict[str, int], per_token: int, max_model_len: int, details: dict) -> MemoryPlan:
+    cache = config.cache
+    budget = int(cache.memory_fraction * device_bytes)
+    fixed = sum(c.bytes for c in components)
+    page_bytes = cache.page_size * per_token
+    most = max((budget - fixed) // page_bytes, 0)
+    pages = most if cache.num_kv_pages == "auto" else cache.num_kv_pages
+    plan = MemoryPlan(device, device_bytes, cache.memory_fraction, components, weights, per_token, cache.page_size,
+                      pages, max_model_len, fits=True, details=details)
+    problem = find_shortfall(plan, page_bytes)
+    return dataclasses.replace(plan, fits=problem is None, problem=problem)
+
+
+def find_shortfall(plan: MemoryPlan, page_bytes: int) -> str | None:
+    """Why the plan does not fit, naming the component that crosses the budget, or None."""
+    used, budget = 0, plan.budget
+    for component in plan.components:
+        used += component.bytes
+        if used > budget:
+            return (f"{component.name} ({component.bytes / GiB:.1f} GiB) crosses the budget of {budget / GiB:.1f} GiB "
+                    f"(cache.memory_fraction {plan.memory_fraction} of {plan.device_bytes / GiB:.1f} GiB) by "
+                    f"{(used - budget) / GiB:.1f} GiB before any KV cache")
+    if plan.num_kv_pages < 1:
+        return (f"the KV cache: {max(budget - used, 0) / GiB:.3f} GiB left after the rest, less than one page "
+                f"({page_bytes} bytes)")
+    if used + plan.kv_bytes > budget:
+        return (f"the KV cache: cache.num_kv_pages {plan.num_kv_pages} needs {plan.kv_bytes / GiB:.1f} GiB, "
+                f"{(used + plan.kv_bytes - budget) / GiB:.1f} GiB more than the {(budget - used) / GiB:.1f} GiB left")
+    return None
+
+
+def resolve_kv_pages(config: EngineConfig, device_bytes: int | None = None) -> EngineConfig:
+    """The config with a concrete cache.num_kv_pages, checked against the device's memory before
+    anything is loaded: ConfigError naming the component and the shortfall when it does not fit."""
+    plan = plan_memory(config, device_bytes)
+    if not plan.fits:
+        raise ConfigError(f"the deployment does not fit on {plan.device}: {plan.problem} (see `moespec plan`)")
+    if config.cache.num_kv_pages == plan.num_kv_pages:
+        return config
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_kv_pages=plan.num_kv_pages))
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from moespec.cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 141GB (default: the "
+                        "configured device's, the host's RAM for the CPU)")
+    parser.add_argument("--context-len", type=int, default=None,
+                        help="context length for the concurrency figure (default: max_model_len)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moespec.cli import load_engine_config
+
+    config = load_engine_config(args)
+    device_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    plan = plan_memory(config, device_bytes)
+    context = args.context_len or plan.max_model_len
+    if args.json:
+        report = plan.as_dict()
+        report["kv_cache"]["requests_at_context_len"] = {"context_len": context,
+                                                         "requests": plan.kv_tokens // context}
+        print(json.dumps(report, indent=2))
+    else:
+        print(describe(plan, context))
+    return 0 if plan.fits else 3
+
+
+def describe(plan: MemoryPlan, context: int) -> str:
+    lines = [f"{plan.details['model']}: one rank of EP {plan.details['ep_size']}, {plan.details['quantization']} "
+             f"weights, on {plan.device} ({plan.device_bytes / GiB:.1f} GiB; budget {plan.memory_fraction:g} = "
+             f"{plan.budget / GiB:.1f} GiB)"]
+    for c in plan.components:
+        lines.append(f"  {c.name:<28} {c.bytes / GiB:9.2f} GiB  {c.note}")
+    lines.append(f"  {'KV cache':<28} {plan.kv_bytes / GiB:9.2f} GiB  {plan.num_kv_pages} pages x {plan.page_size} = "
+                 f"{plan.kv_tokens} tokens ({plan.kv_bytes_per_token} bytes each)")
+    lines.append(f"  {'total':<28} {(plan.fixed_bytes + plan.kv_bytes) / GiB:9.2f} GiB")
+    lines.append(f"  concurrent requests at {context} tokens of context: {plan.kv_tokens // context}")
+    lines.append("fits" if plan.fits else f"does not fit: {plan.problem}")
+    return "\n".join(lines)

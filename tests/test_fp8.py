@@ -1,0 +1,206 @@
+"""FP8-resident DeepSeek weights: the block-scaled GEMMs against dequantized matmuls, a model that
+keeps its FP8 checkpoint in FP8 against the same checkpoint dequantized on load (greedy, token for
+token, with and without its MTP layer drafting), and what loading costs in memory: a ~420 MB FP8
+checkpoint loaded by two expert-parallel ranks, each holding its half of the experts."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+from moespec import LLM, SamplingParams
+from moespec.models import load_model
+from moespec.models.fp8 import (dequantize_fp8_block, grouped_linear, quantize_fp8_block, reference_fp8_linear,
+                                scale_shape)
+from reference import randomize_routing
+from test_checkpoint_loading import unfuse_experts
+
+
+def random_fp8(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_fp8_block(torch.randn(rows, cols, generator=gen) * 0.05)
+
+
+def test_reference_fp8_gemm_equals_the_dequantized_matmul():
+    for rows, cols in ((300, 260), (256, 128), (130, 7)):  # partial blocks on both sides, and exact ones
+        weight, scale = random_fp8(rows, cols)
+        assert scale.shape == scale_shape(rows, cols) and weight.dtype == torch.float8_e4m3fn
+        x = torch.randn(5, cols, generator=torch.Generator().manual_seed(1))
+        bias = torch.randn(rows)
+        expected = x @ dequantize_fp8_block(weight, scale, torch.float32).t() + bias
+        got = reference_fp8_linear(x, weight, scale, bias)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()
+
+
+def test_quantized_weights_are_close_to_the_originals():
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_fp8_block(w)
+    relative = (dequantize_fp8_block(q, s, torch.float32) - w).abs().max() / w.abs().max()
+    assert relative < 0.07  # e4m3 keeps 3 mantissa bits
+
+
+def test_grouped_fp8_gemm_equals_each_experts_matmul():
+    E, N, K = 3, 256, 128
+    pairs = [random_fp8(N, K, seed=e) for e in range(E)]
+    weight, scale = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    counts = [2, 0, 3]
+    x = torch.randn(sum(counts), K, generator=torch.Generator().manual_seed(3))
+    got = grouped_linear(x, counts, weight, scale)
+    rows = [0, 0, 2, 2, 2]
+    expected = torch.stack([x[i] @ dequantize_fp8_block(weight[e], scale[e], torch.float32).t()
+                            for i, e in enumerate(rows)])
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- a model kept in FP8
+
+
+def write_fp8_deepseek(path, hidden=256, moe_intermediate=128, experts=4, layers=2, vocab=120, seed=0) -> int:
+    """A random DeepSeek-V3 (one dense layer, then MoE layers, plus an MTP layer) in the released
+    FP8 layout: per-expert tensors, every decoder projection e4m3 with its weight_scale_inv, the
+    MTP layer at model.layers.{layers}. Returns the checkpoint's bytes."""
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              moe_intermediate_size=moe_intermediate, num_hidden_layers=layers, num_attention_heads=2,
+                              num_key_value_heads=2, n_routed_experts=experts, num_experts_per_tok=2, n_group=2,
+                              topk_group=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=128,
+                              qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=256,
+                              eos_token_id=None, bos_token_id=None)
+    hf = DeepseekV3ForCausalLM(config).eval()
+    randomize_routing(hf)
+    block = DeepseekV3DecoderLayer(config, layer_idx=layers).eval()
+    with torch.no_grad():
+        for name, param in block.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.02)
+    L = layers
+    tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    tensors.update({f"model.layers.{L}.{k}": v.detach().clone() for k, v in block.state_dict().items()})
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{L}.{name}.weight"] = torch.ones(hidden)
+    tensors[f"model.layers.{L}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.05
+    tensors[f"model.layers.{L}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"model.layers.{L}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    stored = {}
+    for name, tensor in unfuse_experts(tensors).items():
+        if "_proj" in name and name.endswith(".weight") and ".layers." in name and "eh_proj" not in name:
+            stored[name], stored[name + "_scale_inv"] = quantize_fp8_block(tensor)
+        else:
+            stored[name] = tensor.contiguous()
+    save_file(stored, str(path / "model.safetensors"))
+    hf_json = config.to_dict()
+    hf_json["num_nextn_predict_layers"] = 1
+    hf_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                      "activation_scheme": "dynamic"}
+    hf_json["rope_scaling"] = hf_json.pop("rope_parameters")
+    (path / "config.json").write_text(json.dumps(hf_json))
+    return sum(t.numel() * t.element_size() for t in stored.values())
+
+
+@pytest.fixture(scope="module")
+def fp8_deepseek(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8-deepseek")
+    write_fp8_deepseek(path)
+    return str(path)
+
+
+PROMPTS = [[3, 40, 7, 9, 1], [9] * 21, [5, 1, 77, 100, 2, 64, 8, 12, 90, 33, 11], [60, 61, 62]]
+
+
+def test_fp8_resident_weights_stay_fp8(fp8_deepseek):
+    model = load_model(fp8_deepseek, quantization="auto", show_progress=False)
+    layer = model.model.layers[1]
+    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn and layer.mlp.experts.w13_scale_inv.shape == (4, 2, 2)
+    assert layer.mlp.shared_experts.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.mtp[0].mlp.experts.w2.dtype == torch.float8_e4m3fn
+    assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32  # absorbed into attention: dequantized
+    assert model.mtp[0].eh_proj.weight.dtype == torch.float32 and model.lm_head.weight.dtype == torch.float32
+    dequantized = load_model(fp8_deepseek, quantization="none", show_progress=False)
+    assert all(p.dtype == torch.float32 for n, p in dequantized.named_parameters())
+
+
+@pytest.mark.parametrize("speculation", [None, {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}],
+                         ids=["plain", "mtp-k2"])
+def test_fp8_resident_greedy_output_equals_dequantize_on_load(fp8_deepseek, speculation):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for quantization in ("fp8", "none"):
+        llm = LLM(model=fp8_deepseek, quantization=quantization, speculation=speculation, page_size=4,
+                  num_kv_pages=128)
+        outputs[quantization] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert outputs["fp8"] == outputs["none"]
+
+
+# ---------------------------------------------------------------------- memory of a real load
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM; ru_maxrss would include the parent's peak from before spawn)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def load_as_rank(rank: int, path: str) -> dict:
+    """Join 2 EP ranks and load the checkpoint (this rank's experts only, FP8 kept)."""
+    from moespec.config import build_config
+    from moespec.distributed import join_ranks
+    from moespec.models import load_model
+    from moespec.parallel import ep_experts_factory
+    torch.nn.Linear(2, 2, device="meta")  # torch imports its meta-device kernels on first use
+    baseline = peak_rss_bytes()  # after the imports
+    config = build_config({"model": {"path": path}, "parallel": {"ep_size": 2, "timeout_s": 60}})
+    ranks = join_ranks(config)
+    try:
+        model = load_model(path, "float32", quantization="auto", show_progress=False,
+                           experts_factory=ep_experts_factory(ranks.runtime))
+        held = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+        return {"baseline": baseline, "peak": peak_rss_bytes(), "held": held,
+                "experts": model.model.layers[1].mlp.experts.num_local}
+    finally:
+        ranks.close()
+
+
+def test_each_rank_reads_only_its_experts_and_keeps_fp8(tmp_path):
+    """~420 MB of FP8 checkpoint (7 MoE layers + the MTP layer, 32 experts each); each of 2 ranks
+    may grow its peak RSS by at most 0.6x the checkpoint while loading."""
+    from moespec.parallel.local_launch import run_ranks
+    size = write_fp8_deepseek(tmp_path, hidden=1024, moe_intermediate=512, experts=32, layers=8, vocab=256)
+    assert size >= 300 * 2**20
+    results = run_ranks(load_as_rank, 2, str(tmp_path), timeout_s=300)
+    report = []
+    for result in results:
+        assert result.error is None, result.error
+        r = result.value
+        grown = r["peak"] - r["baseline"]
+        report.append({"checkpoint_mb": size / 2**20, "held_mb": r["held"] / 2**20, "rss_growth_mb": grown / 2**20,
+                       "ratio": grown / size})
+        assert r["experts"] == 16
+        assert grown <= 0.6 * size, report
+    print("load memory per rank:", json.dumps(report))
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_path_against_the_cpu_reference(fp8_deepseek):
+    """The CUDA FP8 path (activations quantized per token per 128 channels, block-scaled
+    scaled_mm, bf16) against the CPU reference (float32, unquantized activations): the error of
+    the top-20 logprobs of each prompt's first token, and where greedy outputs first diverge."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=20)
+    runs = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        llm = LLM(model=fp8_deepseek, quantization="fp8", device=device, dtype=dtype, page_size=4, num_kv_pages=128)
+        runs[device] = llm.generate(PROMPTS, params, use_tqdm=False)
+    errors, divergences = [], []
+    for cpu, gpu in zip(runs["cpu"], runs["cuda"]):
+        top_cpu, top_gpu = cpu.logprobs[0].top, gpu.logprobs[0].top
+        errors += [abs(top_cpu[t] - top_gpu[t]) for t in top_cpu if t in top_gpu]
+        same = [a == b for a, b in zip(cpu.token_ids, gpu.token_ids)]
+        divergences.append(same.index(False) if False in same else None)
+    print(json.dumps({"max_top20_logprob_error": max(errors), "mean_top20_logprob_error": sum(errors) / len(errors),
+                      "first_greedy_divergence": divergences}))
+    assert max(errors) < 0.5
