@@ -121,7 +121,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     read into it the checkpoint tensors this process holds (see WeightLoader)."""
     dtype = resolve_dtype(dtype)
     config = load_config(model_dir)
-    loader = WeightLoader(model_dir, dtype, show_progress=show_progress)
+    loader = WeightLoader(model_dir, show_progress=show_progress)
     fit_config = getattr(ARCHITECTURES[config.model_type][1], "fit_config", None)
     if fit_config is not None:
         config = fit_config(config, list(loader.files))

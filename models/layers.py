@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.models.fp8 import dequantize_fp8_block, fp8_linear, is_fp8, scale_shape
-
-FP8_BLOCK = 128
+from moespec.models.fp8 import BLOCK as FP8_BLOCK
+from moespec.models.fp8 import fp8_linear, is_fp8, scale_shape
 
 
 class RMSNorm(nn.Module):

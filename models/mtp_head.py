@@ -174,7 +174,7 @@ def check_head_fits(target: nn.Module, head: MTPHead) -> None:
 def load_mtp_head(target: nn.Module, head_dir: str | Path, dtype: torch.dtype = torch.float32) -> MTPHeadModel:
     config = MTPHeadConfig.from_hf(read_hf_config(head_dir))
     head = MTPHead(config).to(dtype)
-    WeightLoader(head_dir, dtype, show_progress=False).load_into(head)
+    WeightLoader(head_dir, show_progress=False).load_into(head)
     device = next(target.parameters()).device
     return MTPHeadModel(target, head.to(device).eval().requires_grad_(False))
 

@@ -10,10 +10,9 @@ import fnmatch
 import json
 import os
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -117,8 +116,7 @@ class TensorEntry:
     end: int
 
 
-@contextmanager
-def open_safetensors(path: Path) -> Iterator[None]:
+def check_safetensors(path: Path) -> None:
     """Let safetensors validate the file (it reads the header only); its errors become WeightErrors
     naming the file and what is wrong with it."""
     if not path.exists():
@@ -132,13 +130,12 @@ def open_safetensors(path: Path) -> Iterator[None]:
     except SAFETENSORS_ERRORS as e:
         raise WeightError(f"cannot open checkpoint file {path} ({e})") from e
     with handle:
-        yield
+        pass
 
 
 def read_entries(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of a safetensors file, from its header (validated by safetensors first)."""
-    with open_safetensors(path):
-        pass
+    check_safetensors(path)
     with path.open("rb") as f:
         length = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(length))
@@ -182,9 +179,8 @@ class WeightLoader:
     files are never mapped or read whole.
     """
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, show_progress: bool = True) -> None:
+    def __init__(self, model_dir: str | Path, show_progress: bool = True) -> None:
         self.model_dir = Path(model_dir)
-        self.dtype = dtype
         self.show_progress = show_progress
         self.entries: dict[Path, dict[str, TensorEntry]] = {}
         self.files = self.index_files()

@@ -350,13 +350,16 @@ class Engine:
         if spec.acceptance == "relaxed":
             return verify_relaxed(logits.view(B, k + 1, -1), probs.view(B, k + 1, -1), proposal.probs,
                                   proposal.tokens, uniforms, spec.relaxed_top_n, spec.relaxed_delta)
+        random_rows = target_rows.random_rows  # all k + 1 rows of each random request
+        if len(random_rows) == B * (k + 1):  # no greedy or seeded request
+            return verify_lossless(probs.view(B, k + 1, -1), proposal.probs, proposal.tokens, uniforms)
         exact = verify_greedy(exact_tokens(probs, target_rows).view(B, k + 1), proposal.tokens)
-        if not target_rows.random_rows:
+        if not random_rows:
             return exact
+        is_random = torch.zeros(B, dtype=torch.bool)
+        is_random[[row // (k + 1) for row in random_rows]] = True
         sampled = verify_lossless(probs.view(B, k + 1, -1), proposal.probs, proposal.tokens, uniforms)
-        is_random = torch.zeros(B * (k + 1), dtype=torch.bool)
-        is_random[list(target_rows.random_rows)] = True
-        return select_rows(is_random.view(B, k + 1)[:, 0].to(probs.device), sampled, exact)
+        return select_rows(is_random.to(probs.device), sampled, exact)
 
     def postprocess(self, prepared: PreparedStep, result: SamplerOutput) -> EngineOutputs:
         for chunk in prepared.scheduled.chunks:

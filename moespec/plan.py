@@ -118,10 +118,6 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
     return by_dtype
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def deepep_low_latency_bytes(tokens: int, hidden: int, num_experts: int) -> int:
     """DeepEP's low-latency RDMA buffer (`get_low_latency_rdma_size_hint`, its LowLatencyLayout):
     two halves (odd/even), each a send buffer, a receive buffer for every expert's slots, and
@@ -150,7 +146,7 @@ def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.
     hidden states, MLA's latent queries and outputs, the routed experts' rows on this rank (the
     average routing, doubled), float32 logits and sampling copies for the sampled rows."""
     c = model_config
-    M, size = c.hidden_size, dtype_size(dtype)
+    M, size = c.hidden_size, dtype.itemsize
     per_token = 6 * M
     if c.model_type == "deepseek_v3":
         H = c.num_attention_heads
@@ -167,12 +163,14 @@ def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.
 # ---------------------------------------------------------------------------------- the plan
 
 
-def rank_model(config: EngineConfig, model_dir: str, quantization: str):
-    """One rank's model on the meta device: its share of the routed experts, in the planned dtypes."""
+def rank_model(config: EngineConfig):
+    """One rank's model on the meta device (its share of the routed experts, in the planned dtypes),
+    its architecture config and the quantization it got."""
     from moespec.models import build_on_meta, load_config, resolve_dtype
     from moespec.models.moe import LocalExperts
     from moespec.models.weights import read_hf_config
 
+    model_dir = config.model.path
     model_config = load_config(model_dir)
     kwargs = {}
     if model_config.model_type == "deepseek_v3":
@@ -180,7 +178,7 @@ def rank_model(config: EngineConfig, model_dir: str, quantization: str):
 
         check_divisible(model_config.n_routed_experts, config.parallel.ep_size)
         kwargs["experts_factory"] = LocalExperts.shard_factory(config.parallel.ep_size, 0)
-    model, quantization = build_on_meta(model_config, resolve_dtype(config.model.dtype), quantization,
+    model, quantization = build_on_meta(model_config, resolve_dtype(config.model.dtype), config.model.quantization,
                                         read_hf_config(model_dir), **kwargs)
     return model, model_config, quantization
 
@@ -193,18 +191,24 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     device = config.model.device
     device_bytes = device_bytes if device_bytes is not None else device_memory(device)
     dtype = resolve_dtype(config.model.dtype)
-    model, model_config, quantization = rank_model(config, config.model.path, config.model.quantization)
+    model, model_config, quantization = rank_model(config)
     weights = param_bytes(model)
     components = [Component(f"weights ({name})", size, "this rank's parameters, built on the meta device")
                   for name, size in sorted(weights.items(), key=lambda kv: -kv[1])]
-    specs = list(model.kv_cache_spec())
     spec, sched = config.speculation, config.scheduler
     k = spec.num_speculative_tokens if spec.mode != "none" else 0
-    components += speculation_components(config, model, model_config, dtype, specs)
+    per_token = kv_bytes_per_token(model.kv_cache_spec(), dtype)
+    drafter = build_drafter(config, dtype)
+    if drafter is not None:  # its own weights, and its KV on the target's page ids
+        name, path, module = drafter
+        components.append(Component(name, sum(param_bytes(module).values()), path))
+        per_token += kv_bytes_per_token(module.kv_cache_spec(), dtype)
     if spec.mode == "mtp":
-        components.append(Component("MTP state", sched.max_num_seqs * (1 + k) * model_config.hidden_size *
-                                    dtype_size(dtype), "target hidden states awaiting the MTP layer: "
-                                    "max_num_seqs x (1 + k) x hidden"))
+        from moespec.speculation.mtp import mtp_state_bytes
+
+        components.append(Component("MTP state", mtp_state_bytes(sched.max_num_seqs, k, model_config.hidden_size,
+                                                                 dtype),
+                                    "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
     components += deepep_components(config, model_config, k)
     sampled = sched.max_num_seqs * (1 + k)
     components.append(Component("activations", activation_bytes(model_config, sched.max_num_batched_tokens,
@@ -213,47 +217,27 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     components.append(Component("reserve", RESERVE["cuda" if device.startswith("cuda") else "cpu"],
                                 "CUDA context, NCCL, allocator slack (estimate)" if device.startswith("cuda")
                                 else "the Python process (estimate)"))
-    per_token = kv_bytes_per_token(specs, dtype) + extra_kv_bytes_per_token(config, dtype)
     max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     return size_kv(config, device, device_bytes, components, weights, per_token, max_model_len,
                    {"quantization": quantization, "ep_size": config.parallel.ep_size,
                     "model": config.model.path})
 
 
-def speculation_components(config: EngineConfig, model, model_config, dtype, specs) -> list[Component]:
-    """A draft model's or external MTP head's weights (their KV is counted per token)."""
+def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, torch.nn.Module] | None:
+    """The draft model or external MTP head of `config` on the meta device, with a label and its path."""
     from moespec.models import build_model, load_config
 
     spec = config.speculation
     if spec.mode == "draft":
-        draft = build_model(load_config(config.draft.model), dtype, "meta")
-        return [Component("draft model weights", sum(param_bytes(draft).values()), config.draft.model)]
+        return "draft model weights", config.draft.model, build_model(load_config(config.draft.model), dtype, "meta")
     if spec.mode == "mtp" and spec.mtp_head:
         from moespec.models.mtp_head import MTPHead, MTPHeadConfig
         from moespec.models.weights import read_hf_config
 
         with torch.device("meta"):
             head = MTPHead(MTPHeadConfig.from_hf(read_hf_config(spec.mtp_head))).to(dtype)
-        return [Component("MTP head weights", sum(param_bytes(head).values()), spec.mtp_head)]
-    return []
-
-
-def extra_kv_bytes_per_token(config: EngineConfig, dtype) -> int:
-    """KV of a draft model or external MTP head, on the same page ids as the target's."""
-    from moespec.kv_cache import kv_bytes_per_token
-    from moespec.models import build_model, load_config
-
-    spec = config.speculation
-    if spec.mode == "draft":
-        return kv_bytes_per_token(build_model(load_config(config.draft.model), dtype, "meta").kv_cache_spec(), dtype)
-    if spec.mode == "mtp" and spec.mtp_head:
-        from moespec.models.mtp_head import MTPHead, MTPHeadConfig
-        from moespec.models.weights import read_hf_config
-
-        with torch.device("meta"):
-            head = MTPHead(MTPHeadConfig.from_hf(read_hf_config(spec.mtp_head)))
-        return kv_bytes_per_token(head.kv_cache_spec(), dtype)
-    return 0
+        return "MTP head weights", spec.mtp_head, head
+    return None
 
 
 def deepep_components(config: EngineConfig, model_config, k: int) -> list[Component]:

@@ -237,7 +237,6 @@ class SamplingBatch:
             num_logprobs=tuple(p.logprobs for p in params),
         )
 
-
     def advanced(self, steps: int) -> SamplingBatch:
         """The same rows, each drawing the token `steps` positions further on (a draft chain)."""
         if self.positions is None or steps == 0:

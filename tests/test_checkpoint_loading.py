@@ -313,7 +313,7 @@ def test_missing_shard_is_named_before_any_tensor_is_read(tiny_checkpoint, tmp_p
     count = sum(f == "model-00002-of-00002.safetensors" for f in weight_map.values())
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(WeightError) as error:
-        WeightLoader(path, torch.float32)
+        WeightLoader(path)
     assert str(error.value) == (f"model.safetensors.index.json lists model-00002-of-00002.safetensors "
                                 f"({count} tensors), which is not in {path}")
 

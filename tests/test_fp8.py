@@ -129,6 +129,8 @@ def test_fp8_resident_greedy_output_equals_dequantize_on_load(fp8_deepseek, spec
     for quantization in ("fp8", "none"):
         llm = LLM(model=fp8_deepseek, quantization=quantization, speculation=speculation, page_size=4,
                   num_kv_pages=128)
+        kept = llm.engine.model.model.layers[1].mlp.experts.w13.dtype
+        assert kept == (torch.float8_e4m3fn if quantization == "fp8" else torch.float32)
         outputs[quantization] = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert outputs["fp8"] == outputs["none"]
 

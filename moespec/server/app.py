@@ -67,14 +67,15 @@ class ServerState:
             raise bad_request(e) from None
 
     def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids of every prompt; the text ones are checked here, the others were already."""
         texts = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(encode_texts(self.engine.tokenizer, texts))
-        ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
-        for prompt_ids in ids:
-            if not prompt_ids:
+        encoded = encode_texts(self.engine.tokenizer, texts)
+        for ids in encoded:
+            if not ids:
                 raise ValueError("prompt: must contain at least one token")
-            self.limits.check_ids(prompt_ids)
-        return ids
+            self.limits.check_ids(ids)
+        encoded_iter = iter(encoded)
+        return [next(encoded_iter) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -273,27 +273,26 @@ class EngineLoop:
             stream.send(Delta(stream.index, "", [], [], finish_reason="abort"))  # ends the handler's wait
 
     def step(self) -> None:
-        self.step_started = time.monotonic()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting %d requests", len(self.streams))
-            self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
+        outputs = self.watched(self.engine.step)
+        if outputs is None:
             return
-        finally:
-            self.step_started = None
         for seq in outputs.updated:
             self.publish(seq)
         self.metrics.observe_engine(self.engine)
 
     def keep_alive(self) -> None:
         """An idle leader's message to its followers, watched like a step (it is a collective)."""
+        self.watched(self.engine.keep_alive)
+
+    def watched(self, action: Callable[[], object]):
+        """Run engine work under the watchdog's clock; a failure fails every request (None)."""
         self.step_started = time.monotonic()
         try:
-            self.engine.keep_alive()
+            return action()
         except Exception as e:
-            logger.exception("keeping the other ranks alive failed")
+            logger.exception("engine work failed; aborting %d requests", len(self.streams))
             self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
+            return None
         finally:
             self.step_started = None
 

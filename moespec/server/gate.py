@@ -10,6 +10,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moespec.server.errors import error_response
+from moespec.server.metrics import ROUTES
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -41,7 +42,7 @@ class RequestGate:
 
     def counting(self, scope: Scope, send: Send) -> Send:
         metrics = self.state.metrics
-        route = scope["path"] if scope["path"] in metrics.routes else "other"
+        route = scope["path"] if scope["path"] in ROUTES else "other"
 
         async def counted(message: Message) -> None:
             if message["type"] == "http.response.start":

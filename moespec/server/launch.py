@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with a drain between the first signal and the shutdown."""
 
-    def __init__(self, config: uvicorn.Config, state, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, loop, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.state, self.drain_timeout_s = state, drain_timeout_s
+        self.loop, self.drain_timeout_s = loop, drain_timeout_s
         self.drainer: threading.Thread | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -38,7 +38,7 @@ class DrainingServer(uvicorn.Server):
         self.drainer.start()
 
     def drain(self) -> None:
-        aborted = self.state.loop.drain(self.drain_timeout_s)
+        aborted = self.loop.drain(self.drain_timeout_s)
         logger.info("drained (%d requests aborted); shutting down", aborted)
         self.should_exit = True
 
@@ -57,7 +57,7 @@ def serve(config: EngineConfig, host: str | None = None, port: int | None = None
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1, speculation: %s, auth: %s)",
                 app.state.server.model_name, host, port, config.speculation.mode, "on" if api_key else "off")
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=5), app.state.server, s.drain_timeout_s)
+                                           timeout_graceful_shutdown=5), app.state.server.loop, s.drain_timeout_s)
     try:
         server.run()
     finally:

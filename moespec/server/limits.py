@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from moespec.config import ServerSection
 from moespec.server.errors import ApiError
-from moespec.server.protocol import ChatMessage, Prompt
+from moespec.server.protocol import ChatMessage, Prompt, check_vocab
 
 CANDIDATE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -57,9 +57,7 @@ class RequestLimits:
         if len(ids) >= self.max_model_len:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                                 f"{self.max_model_len}", "prompt")
-        outside = [t for t in ids if t >= self.vocab_size]
-        if outside:
-            raise ApiError(400, f"prompt: token ids must be in [0, {self.vocab_size}), got {outside[:3]}", "prompt")
+        check_vocab("prompt", ids, self.vocab_size)
 
     def check_messages(self, messages: list[ChatMessage]) -> None:
         if not self.roles:

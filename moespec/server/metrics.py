@@ -38,7 +38,6 @@ class ServerMetrics:
                                      registry=r)
         self.http = Counter("moespec_http_requests", "HTTP responses by method, route and status",
                             ["method", "route", "status"], registry=r)
-        self.routes = ROUTES
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

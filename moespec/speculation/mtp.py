@@ -29,6 +29,11 @@ from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator, gather_rows
 
 
+def mtp_state_bytes(max_num_seqs: int, k: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The most target hidden states [M] the MTP speculator holds between steps: 1 + k per request."""
+    return max_num_seqs * (1 + k) * hidden_size * dtype.itemsize
+
+
 @dataclass
 class MTPState:
     computed: int = 0  # positions whose MTP KV holds the target-hidden-state version
@@ -70,8 +75,7 @@ class MTPSpeculator(Speculator):
         return self.max_num_seqs * (1 + self.max_tokens)
 
     def state_bytes(self) -> int:
-        """max_pending_tokens hidden states [M] in the target's dtype."""
-        return self.max_pending_tokens * self.hidden_size * self.dtype.itemsize
+        return mtp_state_bytes(self.max_num_seqs, self.max_tokens, self.hidden_size, self.dtype)
 
     def pending_tokens(self) -> int:
         """Target hidden states held now, over all requests."""
