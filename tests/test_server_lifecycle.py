@@ -1,6 +1,6 @@
 """What keeps a server up and lets it go cleanly: request bounds that need their own server
 (body size, tokenization off the engine thread, metrics before the first request), the step
-watchdog (in process, and as real processes with and without peer ranks), and the SIGTERM
+watchdog (in process, and as two real rank processes), and the SIGTERM
 drain of `moespec serve`."""
 import json
 import os
@@ -195,6 +195,12 @@ def wait_healthy(url: str, processes, timeout: float = 120) -> None:
     raise AssertionError("the server did not become healthy")
 
 
+def kill_all(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+
+
 def wait_exit(process, timeout: float) -> int | None:
     try:
         return process.wait(timeout=timeout)
@@ -204,23 +210,9 @@ def wait_exit(process, timeout: float) -> int | None:
         return None
 
 
-def test_stuck_step_ends_the_process_with_its_phase(tmp_path, checkpoint):
-    port = free_port()
-    config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5})
-    process, log = start_serve(tmp_path, config, port, {"MOESPEC_TEST_HANG": "1"})
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", [process])
-        send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
-        code = wait_exit(process, timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    output = Path(log).read_text()
-    assert code == 70, output[-3000:]
-    assert "stuck in phase 'target forward (prefill)'" in output and "moespec: fatal:" in output
-
-
-def test_stuck_leader_takes_its_peer_rank_down(tmp_path, checkpoint):
+def test_stuck_leader_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_path, checkpoint):
+    """The leader's step hangs: it exits 70 with the phase in its message, and its follower rank,
+    waiting for the next forward, exits too instead of hanging."""
     port, master_port = free_port(), free_port()
     config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5},
                           parallel={"ep_size": 2, "timeout_s": 60})
@@ -234,11 +226,10 @@ def test_stuck_leader_takes_its_peer_rank_down(tmp_path, checkpoint):
         send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
         codes = [wait_exit(p, timeout=40) for p, _ in processes]
     finally:
-        for p, _ in processes:
-            if p.poll() is None:
-                p.kill()
-    logs = [Path(log).read_text()[-2000:] for _, log in processes]
+        kill_all([p for p, _ in processes])
+    logs = [Path(log).read_text()[-3000:] for _, log in processes]
     assert codes[0] == 70, logs[0]
+    assert "moespec: fatal: engine step stuck in phase 'target forward (prefill)'" in logs[0]
     assert codes[1] not in (None, 0), logs[1]  # the follower saw its leader go and exited, not hung
 
 
@@ -281,8 +272,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path, checkpoint, drain_timeout_s, m
         streamer.join(timeout=90)
         code = wait_exit(process, timeout=60)
     finally:
-        if process.poll() is None:
-            process.kill()
+        kill_all([process])
     output = Path(log).read_text()
     assert code == 0, output[-3000:]
     assert result == {"done": True, "finish_reason": expected}, (result, output[-2000:])
