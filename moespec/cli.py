@@ -58,7 +58,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from moespec.llm import LLM
     from moespec.sampling import SamplingParams
 
-    llm = LLM(config=load_engine_config(args))  # under torchrun, ranks other than 0 follow inside and exit
+    llm = LLM(config=load_engine_config(args))  # under torchrun, ranks other than 0 serve inside and exit
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     try:

@@ -59,6 +59,9 @@ class SpeculationSection:
 @dataclass(frozen=True)
 class ParallelSection:
     ep_size: int = 1
+    # dp: each rank serves its own requests with its own KV cache; only MoE layers exchange tokens.
+    # replicated: every rank runs every request's attention (one KV cache's worth for the group).
+    attention: Literal["dp", "replicated"] = "dp"
     moe_backend: Literal["torch", "deepep"] = "torch"
     microbatch: bool = False
     dist_backend: Literal["gloo", "nccl"] = "gloo"

@@ -1,132 +1,179 @@
 """Ranks stepping in lockstep under expert parallelism.
 
-Rank 0 (the leader) owns the scheduler, sampler, tokenizer and server. Attention is replicated
-and routed experts are sharded, so every forward that contains MoE layers (the target's, and
-the MTP layer's) must run on every rank at once. Before each such forward the leader
-broadcasts one message: an int64 header, the packed batch, and, for MTP forwards, the input
-token ids and hidden states (or a flag saying "the target's hidden states and plan of the
-previous forward", the verify re-run). Followers replay the forward into their own KV caches
-and discard the outputs. The draft model of draft-target speculation runs on the leader only.
+Every rank builds the same `Engine` and runs the same `Engine.step`. Its routed experts are
+this rank's share; everything else (attention, dense layers, KV cache, scheduler, sampler,
+speculator) is its own. With `parallel.attention: dp` each rank serves its own requests;
+with `replicated` every rank holds every request and runs the same batches.
 
-Shapes legend: T tokens, M hidden.
+The MoE layers (the target's, and the built-in MTP layer's) exchange tokens over the EP group,
+so every rank must run the same sequence of MoE-bearing forwards. Once per step, after
+scheduling and before any forward, the ranks agree on the step with one small all-gather of
+per-rank reports (`StepReport` -> `StepPlan`): whether anyone has work, the draft length k,
+how many MTP forwards come before the target forward and whether one follows it, the phase
+(all decode: DeepEP's low-latency mode), and rank 0's count of commands sent to each rank
+(`moespec.cluster`). A rank with fewer forwards of its own joins the others' with empty ones
+(`Lockstep.join_target`, `pad_mtp`): its MoE layers run their collectives with zero rows.
+
+Shapes legend: G ranks in the EP group, F report fields.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
+import signal
+from dataclasses import dataclass, fields
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-STOP, TARGET, MTP, NOOP = 0, 1, 2, 3  # NOOP: the leader is idle but alive (followers' waits would time out)
-HEADER = 6  # op, reuse_target (hidden + plan of the previous target forward), batch len, ids len, hidden rows, cols
+
+@dataclass(frozen=True)
+class StepReport:
+    """One rank's view of the step it is about to run (all ints, for one all-gather)."""
+
+    stop: int = 0  # rank 0: every rank leaves its loop after this agreement
+    has_work: int = 0  # scheduled at least one chunk
+    k_wish: int = -1  # draft tokens its policy asks for; -1: this step cannot speculate here
+    room: int = 0  # the most draft tokens its requests have room for
+    lags: int = 0  # its MTP layer catches up before drafting
+    flush: int = 0  # a plain target forward here is followed by an MTP flush
+    decode: int = 1  # decode-only (or nothing scheduled)
+    num_tokens: int = 0  # tokens in its target forward (k not included)
+    running: int = 0
+    waiting: int = 0
+    free_pages: int = 0
+    num_pages: int = 0
+
+    @classmethod
+    def size(cls) -> int:
+        return len(fields(cls))
+
+    def encode(self) -> list[int]:
+        return [int(getattr(self, f.name)) for f in fields(self)]
 
 
-class RankSync:
-    """Leader side: announces each MoE-bearing forward, and runs it inside the EP runtime's step."""
+@dataclass(frozen=True)
+class RankLoad:
+    running: int
+    waiting: int
+    free_pages: int
+    num_pages: int
 
-    def __init__(self, ctx, runtime) -> None:
-        self.ctx, self.runtime = ctx, runtime
-        self.last_announce = time.monotonic()
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_pages / self.num_pages if self.num_pages else 0.0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank derives from all reports; identical on every rank."""
+
+    stop: bool
+    run: bool  # some rank has work: every rank runs the step's forwards
+    ks: tuple[int, ...]  # [G] draft tokens each rank verifies (0: a plain step there)
+    mtp_before: int  # MoE-bearing MTP forwards before the target forward (catch-up, chain steps)
+    mtp_after: bool  # one MoE-bearing MTP forward after it (the verify re-run, or a flush)
+    decode: bool  # every rank with work runs decode or verify tokens only
+    sent: tuple[int, ...]  # [G] commands rank 0 has sent to each rank so far
+    loads: tuple[RankLoad, ...]  # [G]
+
+
+def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
+    """The step every rank runs. k is the smallest draft length any speculating rank's policy asks
+    for (so a loaded rank turns speculation down for all), capped per rank by its requests' room."""
+    wishes = [r.k_wish for r in reports if r.k_wish >= 0]
+    k = min(wishes) if wishes else 0
+    ks = tuple(max(0, min(k, r.room)) if r.k_wish >= 0 and r.has_work else 0 for r in reports)
+    mtp_before = max((int(r.lags) + kr - 1 for r, kr in zip(reports, ks) if kr), default=0)
+    mtp_after = any(ks) or any(r.flush and r.has_work for r in reports)
+    loads = tuple(RankLoad(r.running, r.waiting, r.free_pages, r.num_pages) for r in reports)
+    return StepPlan(bool(reports[0].stop), any(r.has_work for r in reports), ks, mtp_before, mtp_after,
+                    all(r.decode for r in reports), sent or (0,) * len(reports), loads)
+
+
+class Lockstep:
+    """This rank's part in each step's agreement and MoE-bearing forwards."""
+
+    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype) -> None:
+        self.ctx, self.runtime = ranks.ctx, ranks.runtime
+        self.target_experts, self.mtp_experts, self.dtype = target_experts, mtp_experts, dtype
+        self.plan: StepPlan | None = None
+        self.mtp_done = 0  # MoE-bearing MTP forwards this step, own or joined
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.ep_rank
+
+    def agree(self, report: StepReport, sent: tuple[int, ...]) -> StepPlan:
+        """All-gather every rank's report [G, F] (rank 0 appends its per-rank command counts)."""
+        G = self.ctx.ep_size
+        mine = torch.tensor(report.encode() + list(sent if sent else (0,) * G), dtype=torch.int64)
+        table = torch.empty(G * mine.numel(), dtype=torch.int64, device=self.ctx.device)
+        dist.all_gather_into_tensor(table, mine.to(self.ctx.device), group=self.ctx.ep_group)
+        rows = table.view(G, -1).cpu().tolist()
+        F = StepReport.size()
+        reports = [StepReport(*row[:F]) for row in rows]
+        self.plan, self.mtp_done = decide(reports, tuple(rows[0][F:])), 0
+        return self.plan
 
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:
-        self.announce(TARGET, batch)
-        with self.runtime.step(batch.qo_indptr):
+        with self.runtime.step(batch.qo_indptr, self.low_latency):
             yield
 
     @contextlib.contextmanager
-    def mtp(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor, reuse_target: bool) -> Iterator[None]:
-        self.announce(MTP, batch, token_ids, None if reuse_target else hidden)
-        with self.runtime.step(batch.qo_indptr):
+    def mtp(self, batch: Batch) -> Iterator[None]:
+        self.mtp_done += 1
+        if self.plan is not None and self.mtp_done > self.plan.mtp_before + self.plan.mtp_after:
+            raise RuntimeError(f"rank {self.rank} ran MTP forward {self.mtp_done} of a step agreed to have "
+                               f"{self.plan.mtp_before + self.plan.mtp_after}: the ranks would deadlock")
+        with self.runtime.step(batch.qo_indptr, self.low_latency):
             yield
 
-    def announce(self, op: int, batch: Batch | None = None, ids: torch.Tensor | None = None,
-                 hidden: torch.Tensor | None = None) -> None:
-        packed = batch.pack() if batch is not None else torch.zeros(0, dtype=torch.int64)
-        ids = ids.to(torch.int64).cpu() if ids is not None else torch.zeros(0, dtype=torch.int64)
-        rows, cols = hidden.shape if hidden is not None else (0, 0)
-        reuse = int(op == MTP and hidden is None)
-        self.last_announce = time.monotonic()
-        send(torch.tensor([op, reuse, packed.numel(), ids.numel(), rows, cols]), self.ctx)
-        for part in (packed, ids) + ((hidden.float().contiguous(),) if hidden is not None else ()):
-            if part.numel():
-                send(part.to(self.ctx.device), self.ctx)
+    @property
+    def low_latency(self) -> bool | None:
+        return None if self.plan is None else self.plan.decode
 
-    def stop(self) -> None:
-        self.announce(STOP)
+    def join_target(self) -> None:
+        self.runtime.join(self.target_experts, self.dtype)
 
-    def keep_alive(self, interval_s: float) -> None:
-        """Tell idle followers the leader lives, at least every interval_s (below the collective timeout)."""
-        if time.monotonic() - self.last_announce > interval_s:
-            self.announce(NOOP)
-
-
-def send(tensor: torch.Tensor, ctx) -> torch.Tensor:
-    dist.broadcast(tensor, src=0)
-    return tensor
-
-
-def receive(shape: tuple[int, ...], dtype: torch.dtype, ctx) -> torch.Tensor:
-    return send(torch.empty(shape, dtype=dtype, device=ctx.device), ctx)
-
-
-def follow(config: EngineConfig, ctx, runtime, model=None) -> None:
-    """Follower loop: replay the leader's forwards until it says stop."""
-    from moespec.model_runner import ModelRunner
-    from moespec.models import load_model
-    from moespec.parallel import ep_experts_factory
-
-    from moespec.plan import resolve_kv_pages
-
-    config = resolve_kv_pages(config)  # the leader sizes its cache with the same plan
-    model = model or load_model(config.model.path, config.model.dtype, config.model.device, show_progress=False,
-                                quantization=config.model.quantization, experts_factory=ep_experts_factory(runtime))
-    runner = ModelRunner(model, config.cache.num_kv_pages, config.cache.page_size, config.model.attention_backend,
-                         config.model.device)
-    mtp_backend = create_backend(config.model.attention_backend)
-    last_hidden, last_ctx = None, None
-    logger.info("rank %d following the leader", ctx.rank)
-    while True:
-        op, reuse, n_batch, n_ids, rows, cols = receive((HEADER,), torch.int64, ctx).tolist()
-        if op == STOP:
+    def pad_mtp(self, count: int) -> None:
+        """Join the others' MTP forwards until this step has run `count` of them."""
+        if not self.mtp_experts:
             return
-        if op == NOOP:
-            continue
-        batch = Batch.unpack(receive((n_batch,), torch.int64, ctx).cpu()).to(runner.device)
-        with torch.inference_mode(), runtime.step(batch.qo_indptr):
-            if op == TARGET:
-                last_ctx = runner.plan(batch)
-                last_hidden = model(batch.input_ids, batch.positions, last_ctx)
-                continue
-            ids = receive((n_ids,), torch.int64, ctx)
-            if reuse:
-                hidden, mtp_ctx = last_hidden, ForwardContext(last_ctx.backend, runner.cache.layers)
-            else:
-                hidden = receive((rows, cols), torch.float32, ctx).to(runner.dtype)
-                mtp_backend.plan(batch.attention_metadata())
-                mtp_ctx = ForwardContext(mtp_backend, runner.cache.layers)
-            model.forward_mtp(0, ids, hidden, batch.positions, mtp_ctx)
+        while self.mtp_done < count:
+            self.mtp_done += 1
+            self.runtime.join(self.mtp_experts, self.dtype)
+
+
+def ep_layers(module: torch.nn.Module) -> list:
+    """The expert-parallel MoE layers of `module`, in forward order."""
+    from moespec.parallel import EPExperts
+
+    return [m for m in module.modules() if isinstance(m, EPExperts)]
 
 
 class Ranks:
-    """This process's place among the ranks: its context and the EP runtime shared by MoE layers."""
+    """This process's place among the ranks: its context, the EP runtime shared by MoE layers and
+    the channel that carries requests from rank 0 and their tokens back."""
 
-    def __init__(self, ctx, runtime) -> None:
-        self.ctx, self.runtime = ctx, runtime
-        self.last_announce = time.monotonic()
+    def __init__(self, ctx, runtime, channel) -> None:
+        self.ctx, self.runtime, self.channel = ctx, runtime, channel
+
+    @property
+    def dp(self) -> bool:
+        return self.runtime.dp
 
     def close(self) -> None:
         from moespec.parallel import destroy
 
+        self.channel.close()
         self.runtime.close()
         destroy(self.ctx)
 
@@ -135,23 +182,47 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
     """Join the process group of a multi-rank launch (torchrun or slurm); None for one process."""
     if config.parallel.ep_size == 1:
         return None
-    from moespec.parallel import EPRuntime, init_parallel
+    from moespec.cluster import Channel
+    from moespec.parallel import EPRuntime, ParallelError, init_parallel
 
     ctx = init_parallel(config.parallel)
+    if ctx.world_size != ctx.ep_size:
+        raise ParallelError(f"world size {ctx.world_size} != parallel.ep_size {ctx.ep_size}: run one expert-parallel "
+                            "group (one rank per GPU of the group)")
     k = config.speculation.num_speculative_tokens if config.speculation.mode != "none" else 0
     runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, microbatch=config.parallel.microbatch,
-                        max_tokens_per_rank=config.scheduler.max_num_seqs * (1 + k))
-    return Ranks(ctx, runtime)
+                        max_tokens_per_rank=config.scheduler.max_num_seqs * (1 + k),
+                        dp=config.parallel.attention == "dp")
+    return Ranks(ctx, runtime, Channel.connect(ctx))
 
 
-def run_as_rank(config: EngineConfig) -> Ranks | None:
-    """Called before building an engine: followers replay the leader's forwards and exit when it
-    stops; the leader (or a single process) gets its Ranks back and builds the engine."""
+def defer_signals_to_rank0(rank: int) -> None:
+    """A launcher (torchrun, slurm) signals every rank at once. Rank 0 drains its requests and then
+    ends the other ranks' loops; until then they keep serving their share, so they ignore it."""
+    def note(signum: int, frame) -> None:
+        logger.info("rank %d: signal %d; rank 0 drains, then stops this rank", rank, signum)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, note)
+
+
+def start_engine(config: EngineConfig):
+    """One process: its Engine. Under torchrun or slurm every rank builds its Engine; rank 0's is
+    returned (it takes requests and places them on the ranks), the others serve their share
+    until rank 0 closes its engine, then exit."""
+    from moespec.engine import Engine
+
     ranks = join_ranks(config)
-    if ranks is not None and not ranks.ctx.leader:
-        try:
-            follow(config, ranks.ctx, ranks.runtime)
-        finally:
+    try:
+        engine = Engine(config, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
             ranks.close()
-        raise SystemExit(0)
-    return ranks
+        raise
+    if ranks is None or ranks.ctx.leader:
+        return engine
+    defer_signals_to_rank0(ranks.ctx.rank)
+    try:
+        engine.serve_forever()
+    finally:
+        engine.close()
+    raise SystemExit(0)

@@ -5,6 +5,11 @@ packing, attention planning, sampling tensors: host work) and `execute` (model f
 sampling: device work), then `postprocess` (host). On a GPU `execute` returns before the
 device finishes, so the host can prepare step n+1 while step n runs; on CPU the phases run
 in order and `stats` reports how the time splits.
+
+Across ranks (expert parallelism) every rank runs this same step on its own engine. After
+scheduling, the ranks agree on the step (`moespec.distributed`): the draft length, and how
+many MoE-bearing forwards each must run, joining with empty ones where it has fewer. Rank 0
+also places requests on the ranks and reads back their tokens (`moespec.cluster`).
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import torch
 from moespec.batch import Batch, Span, build_batch, pack_spans
 from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
-from moespec.distributed import RankSync
+from moespec.cluster import Abort, Add, Cluster
+from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers
 from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
@@ -46,6 +52,7 @@ class StepStats:
     decode_host_s: float = 0.0
     decode_device_s: float = 0.0
     tokens: int = 0
+    requests: int = 0  # requests this engine ran (across ranks: placed on this rank)
 
 
 @dataclass
@@ -89,6 +96,7 @@ class PreparedStep:
     ctx: object = None
     host_s: float = 0.0
     num_spec: int = 0  # draft tokens per request this step
+    plan: StepPlan | None = None
 
 
 @dataclass
@@ -98,13 +106,13 @@ class EngineOutputs:
 
 class Engine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, ranks=None) -> None:
-        """`ranks` (from distributed.run_as_rank) when experts are sharded over several processes."""
+        """`ranks` (from distributed.join_ranks) when experts are sharded over several processes."""
         if model is None or config.cache.num_kv_pages == "auto":
             config = resolve_kv_pages(config)  # before any weight is read: fits, or a ConfigError saying why not
         self.config = config
         c = config
         if c.parallel.ep_size > 1 and ranks is None:
-            raise ValueError("parallel.ep_size > 1: join the ranks first (moespec.distributed.run_as_rank)")
+            raise ValueError("parallel.ep_size > 1: join the ranks first (moespec.distributed.start_engine)")
         self.ranks = ranks
         experts = {} if ranks is None else {"experts_factory": ep_experts_factory(ranks.runtime)}
         self.model = model or load_model(c.model.path, c.model.dtype, c.model.device,
@@ -117,6 +125,10 @@ class Engine:
                                   c.model.device)
         self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len)
         self.speculator = create_speculator(c, self.model, self.runner)
+        self.lockstep: Lockstep | None = None
+        self.cluster: Cluster | None = None
+        self.stopped = False  # rank 0 ended the ranks' loop
+        self.last_step = time.monotonic()
         if ranks is not None:
             self.attach_ranks(ranks)
         self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
@@ -124,32 +136,55 @@ class Engine:
         self.spec_stats = SpecStats()
         self.ran_plain = False  # plain decode steps ran since the last speculative step
         self.sampler = Sampler()
-        self.generator = torch.Generator().manual_seed(c.model.seed)
+        # data-parallel ranks draw independent streams; replicated ranks must draw the same ones
+        offset = ranks.ctx.ep_rank if ranks is not None and ranks.dp else 0
+        self.generator = torch.Generator().manual_seed(c.model.seed + offset)
         self.eos_ids = self.resolve_eos_ids()
         self.sequences: dict[str, Sequence] = {}
         self.stats = StepStats()
         self.ids = itertools.count()
         self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
+        if self.lockstep is not None:
+            self.step()  # every rank's first agreement: rank 0 learns each rank's load before any request
 
     def attach_ranks(self, ranks) -> None:
         """Every forward with MoE layers (target, built-in MTP) runs on all ranks in lockstep."""
-        self.runner.sync = RankSync(ranks.ctx, ranks.runtime)
-        if self.speculator.mode == "mtp" and not self.config.speculation.mtp_head:
-            self.speculator.sync = self.runner.sync
+        builtin_mtp = self.speculator.mode == "mtp" and not self.config.speculation.mtp_head
+        mtp_all = ep_layers(self.model.mtp) if hasattr(self.model, "mtp") else []
+        target_layers = [m for m in ep_layers(self.model) if not any(m is t for t in mtp_all)]
+        mtp_layers = mtp_all if builtin_mtp else []
+        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype)
+        self.runner.sync = self.lockstep
+        if builtin_mtp:
+            self.speculator.sync = self.lockstep
+        self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp)
+
+    def stop_ranks(self) -> None:
+        """Rank 0: end every rank's loop (`serve_forever` returns there)."""
+        if self.cluster is not None and self.cluster.front and not self.stopped:
+            self.step(stop=True)
 
     def close(self) -> None:
-        """Release the other ranks (they exit) and leave the process group."""
-        if self.ranks is not None:
-            self.runner.sync.stop()
+        """Rank 0: end every rank's loop (they exit); then leave the process group."""
+        if self.ranks is None:
+            return
+        try:
+            self.stop_ranks()
+        finally:
             self.ranks.close()
             self.ranks = None
 
     def keep_alive(self) -> None:
-        """Between steps of an idle server: keep followers' waits for the next forward from timing out."""
-        if self.runner.sync is not None:
-            self.phase = "keep-alive message to the other ranks"
-            self.runner.sync.keep_alive(self.config.parallel.timeout_s / 4)
-            self.phase = "idle"
+        """Between steps of an idle server: an empty step now and then, so the other ranks, waiting
+        in the next step's agreement, do not time out."""
+        if self.lockstep is not None and time.monotonic() - self.last_step > self.config.parallel.timeout_s / 4:
+            self.step()
+
+    def serve_forever(self) -> None:
+        """A rank other than 0: run steps (rank 0 sends the requests) until rank 0 stops."""
+        logger.info("rank %d serving (attention: %s)", self.lockstep.rank, self.config.parallel.attention)
+        while not self.stopped:
+            self.step()
 
     def resolve_max_model_len(self) -> int:
         model_max = self.model.config.max_position_embeddings
@@ -182,6 +217,18 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
+        """Validate and queue a request; across ranks, place it (it starts at the next step)."""
+        seq = self.new_sequence(prompt, params, request_id)
+        self.sequences[seq.request_id] = seq
+        if self.cluster is None:
+            self.scheduler.add(seq)
+            self.stats.requests += 1
+        else:
+            self.cluster.submit(seq, self.lockstep.plan.loads if self.lockstep.plan else None)
+        return seq
+
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Sequence:
         params = params or SamplingParams()
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
@@ -196,37 +243,91 @@ class Engine:
         seq.metrics.num_prompt_tokens = len(prompt_ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
-        self.sequences[request_id] = seq
-        self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
+        if self.cluster is not None:  # rank 0: the owning rank frees the pages when the abort applies
+            if self.cluster.abort(request_id) is not None:
+                self.sequences.pop(request_id, None)
+            return
+        self.abort_here(request_id)
+
+    def abort_here(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is None or seq.is_finished:
             return
         self.scheduler.abort(request_id)
         self.finish(seq, "abort")
 
+    def apply(self, command: Add | Abort) -> None:
+        """A command from rank 0, at the step the ranks agreed on."""
+        if isinstance(command, Abort):
+            self.abort_here(command.request_id)
+            if self.cluster is not None:
+                self.cluster.forget(command.request_id)
+            return
+        seq = command.seq or self.new_sequence(command.prompt_ids, command.params, command.request_id)
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.requests += 1
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.cluster is not None and self.cluster.has_unfinished())
+
+    def num_waiting(self) -> int:
+        """Sequences waiting to be scheduled, on every rank (rank 0's latest view)."""
+        if self.cluster is None or self.lockstep.plan is None:
+            return len(self.scheduler.waiting) + (self.cluster.num_queued() if self.cluster else 0)
+        others = sum(load.waiting for load in self.lockstep.plan.loads[1:]) if self.cluster.dp else 0
+        return len(self.scheduler.waiting) + self.cluster.num_queued() + others
+
+    def rank_loads(self) -> list | None:
+        """Per-rank running, waiting and KV pages as of the last step's agreement (None: one process)."""
+        if self.lockstep is None or self.lockstep.plan is None:
+            return None
+        return list(self.lockstep.plan.loads)
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> EngineOutputs:
+    def step(self, stop: bool = False) -> EngineOutputs:
+        """One step; across ranks every rank calls it in lockstep (`stop`: rank 0 ends them all)."""
         try:
-            return self.run_step()
+            outputs = self.run_step(stop)
+            if self.cluster is not None:
+                outputs = self.exchange_updates(outputs)
+            return outputs
         finally:
             self.phase = "idle"
+            self.last_step = time.monotonic()
 
-    def run_step(self) -> EngineOutputs:
+    def run_step(self, stop: bool = False) -> EngineOutputs:
+        if self.cluster is not None and self.lockstep.plan is not None:
+            self.phase = "receive commands from rank 0"
+            for command in self.cluster.take_commands(self.lockstep.plan.sent[self.cluster.rank]):
+                self.apply(command)
         self.phase = "schedule"
-        prepared = self.prepare()
-        if prepared is None:
+        start = time.perf_counter()
+        scheduled = self.schedule()
+        self.phase = "agree on the step with the other ranks"
+        plan = self.agree(scheduled, stop)
+        if plan.stop:
+            self.stopped = True
+            if self.cluster is not None:  # commands counted but never to run: leave the channel empty
+                self.cluster.take_commands(plan.sent[self.cluster.rank])
             return EngineOutputs()
+        if not scheduled.chunks:
+            if plan.run:
+                self.join_step(plan)
+            return EngineOutputs()
+        prepared = self.prepare(scheduled, plan, start)
         if prepared.num_spec:
             return self.run_speculative(prepared)
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before)
         start = time.perf_counter()
         result = self.execute(prepared)
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
         device_s = time.perf_counter() - start
         start = time.perf_counter()
         self.phase = "postprocess"
@@ -238,36 +339,73 @@ class Engine:
             self.ran_plain = True
         return outputs
 
-    def prepare(self) -> PreparedStep | None:
-        start = time.perf_counter()
+    def schedule(self) -> SchedulerOutput:
         scheduled = self.scheduler.schedule(lookahead=self.speculator.lookahead)
         for seq in scheduled.preempted:
             self.speculator.release(seq)
-        if not scheduled.chunks:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
-                raise RuntimeError("no request fits in the KV cache; raise cache.num_kv_pages")
-            return None
+        if not scheduled.chunks and self.scheduler.has_unfinished() and not self.scheduler.running:
+            raise RuntimeError("no request fits in the KV cache; raise cache.num_kv_pages")
+        if self.cluster is not None and self.cluster.front:
+            self.cluster.local_unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return scheduled
+
+    def agree(self, scheduled: SchedulerOutput, stop: bool) -> StepPlan:
+        """This step as every rank will run it (one process: decided from its own report alone)."""
+        report = self.report(scheduled, stop)
+        if self.lockstep is None:
+            return decide([report])
+        sent = tuple(self.cluster.sent) if self.cluster.front else ()
+        plan = self.lockstep.agree(report, sent)
+        self.cluster.agreed(plan.sent)
+        return plan
+
+    def report(self, scheduled: SchedulerOutput, stop: bool) -> StepReport:
+        """Speculate only on decode-only batches, as many tokens as the policy says and the
+        longest request still has room for; say which MTP forwards the step needs here."""
+        chunks, spec = scheduled.chunks, self.speculator
+        k_wish, room, lags = -1, 0, False
+        synced_mtp = getattr(spec, "sync", None) is not None
+        if chunks and spec.max_tokens and scheduled.is_decode_only:
+            k_wish = self.policy.choose(len(chunks))
+            room = min(self.max_model_len - c.seq.num_tokens for c in chunks) - 1
+            lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
+        flush = synced_mtp and bool(chunks) and spec.needs_flush(chunks)
+        a = self.allocator
+        return StepReport(int(stop), int(bool(chunks)), k_wish, room, int(lags), int(flush),
+                          int(scheduled.is_decode_only or not chunks), sum(c.num_tokens for c in chunks),
+                          len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages)
+
+    def join_step(self, plan: StepPlan) -> None:
+        """Nothing scheduled here while other ranks run: join their MoE-bearing forwards empty."""
+        self.phase = "join the other ranks' forwards (no work here)"
+        self.lockstep.pad_mtp(plan.mtp_before)
+        self.lockstep.join_target()
+        self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
+
+    def prepare(self, scheduled: SchedulerOutput, plan: StepPlan, start: float) -> PreparedStep:
         for chunk in scheduled.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = time.monotonic()
         sampled = [c.seq for c in scheduled.chunks if c.completes_prompt]
-        num_spec = self.choose_num_spec(scheduled)
+        num_spec = plan.ks[self.lockstep.rank if self.lockstep else 0]
         if num_spec:
-            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec)
+            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan)
         batch = build_batch(scheduled.chunks, self.allocator.page_size, scheduled.mode)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
         ctx = self.runner.plan(batch)
-        return PreparedStep(scheduled, batch, sampling, sampled, ctx, time.perf_counter() - start)
+        return PreparedStep(scheduled, batch, sampling, sampled, ctx, time.perf_counter() - start, 0, plan)
 
-    def choose_num_spec(self, scheduled: SchedulerOutput) -> int:
-        """Speculate only on decode-only batches, as many tokens as the policy says and the
-        longest request still has room for."""
-        if not self.speculator.max_tokens or not scheduled.is_decode_only:
-            return 0
-        k = self.policy.choose(len(scheduled.chunks))
-        room = min(self.max_model_len - c.seq.num_tokens for c in scheduled.chunks)
-        return max(0, min(k, room - 1))
+    def exchange_updates(self, outputs: EngineOutputs) -> EngineOutputs:
+        """Other ranks send their requests' new output to rank 0; rank 0 adds what has arrived."""
+        if not self.cluster.front:
+            self.cluster.send_updates(outputs.updated)
+            return outputs
+        changed = self.cluster.receive_updates()
+        for seq in changed:
+            if seq.is_finished:
+                self.sequences.pop(seq.request_id, None)
+        return EngineOutputs(outputs.updated + changed)
 
     def build_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
@@ -290,6 +428,9 @@ class Engine:
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
         self.phase = f"{self.speculator.mode} propose"
         proposal = self.speculator.propose(seqs, k, rows)
+        plan = prepared.plan
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before)
         batch = self.build_verify_batch(seqs, proposal.tokens)
         ctx = self.runner.plan(batch)
         self.phase = "target forward (verify)"
@@ -300,6 +441,8 @@ class Engine:
         result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))
         self.phase = f"{self.speculator.mode} accept"
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
         # the host reads accepted lengths only now, after the draft re-run was launched
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
         self.phase = "postprocess"

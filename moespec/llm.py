@@ -8,8 +8,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from moespec.config import EngineConfig, build_config, load_config
-from moespec.distributed import run_as_rank
-from moespec.engine import Engine
+from moespec.distributed import start_engine
 from moespec.outputs import CompletionOutput, RequestOutput
 from moespec.sampling import SamplingParams
 
@@ -26,7 +25,7 @@ class LLM:
             options = {k: v for k, v in {"model": model, "dtype": dtype, **engine_options}.items() if v is not None}
             config = build_config({}, options)
         self.config = config
-        self.engine = Engine(config, ranks=run_as_rank(config))  # other ranks follow inside and exit
+        self.engine = start_engine(config)  # under torchrun, ranks other than 0 serve inside and exit
 
     def close(self) -> None:
         self.engine.close()

@@ -72,13 +72,19 @@ class MemoryPlan:
     def kv_tokens(self) -> int:
         return self.num_kv_pages * self.page_size
 
+    @property
+    def ranks_holding_requests(self) -> int:
+        """Ranks whose KV caches hold different requests: every rank with data-parallel attention."""
+        return self.details.get("ep_size", 1) if self.details.get("attention") == "dp" else 1
+
     def as_dict(self) -> dict:
         return {"device": self.device, "device_bytes": self.device_bytes, "memory_fraction": self.memory_fraction,
                 "budget_bytes": self.budget, "weights_by_dtype": self.weights_by_dtype,
                 "components": [dataclasses.asdict(c) for c in self.components],
                 "kv_cache": {"bytes": self.kv_bytes, "bytes_per_token": self.kv_bytes_per_token,
                              "pages": self.num_kv_pages, "page_size": self.page_size, "tokens": self.kv_tokens,
-                             "requests_at_max_model_len": self.kv_tokens // max(self.max_model_len, 1)},
+                             "requests_at_max_model_len": self.kv_tokens // max(self.max_model_len, 1),
+                             "group_tokens": self.kv_tokens * self.ranks_holding_requests},
                 "total_bytes": self.fixed_bytes + self.kv_bytes, "fits": self.fits, "problem": self.problem,
                 **self.details}
 
@@ -141,17 +147,20 @@ def deepep_normal_bytes(hidden: int, ep_size: int, top_k: int) -> int:
     return nvl + rdma
 
 
-def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.dtype, ep_size: int) -> int:
+def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.dtype, ep_size: int,
+                     dp: bool = False) -> int:
     """A forward over `tokens` tokens at its peak (an estimate): residual, normed and projected
     hidden states, MLA's latent queries and outputs, the routed experts' rows on this rank (the
-    average routing, doubled), float32 logits and sampling copies for the sampled rows."""
+    average routing, doubled), float32 logits and sampling copies for the sampled rows. With
+    data-parallel attention every rank has its own `tokens`, so a rank's experts receive about
+    tokens x top-k rows (from all ranks); replicated, the ranks share one batch's."""
     c = model_config
     M, size = c.hidden_size, dtype.itemsize
     per_token = 6 * M
     if c.model_type == "deepseek_v3":
         H = c.num_attention_heads
         per_token += H * (c.qk_head_dim + 2 * (c.kv_lora_rank + c.qk_rope_head_dim) + c.v_head_dim)
-        routed_rows = 2 * tokens * c.num_experts_per_tok // max(ep_size, 1)
+        routed_rows = 2 * tokens * c.num_experts_per_tok // (1 if dp else max(ep_size, 1))
         moe = routed_rows * (M + 3 * c.moe_intermediate_size) + tokens * 3 * c.intermediate_size
     else:
         per_token += 3 * c.num_attention_heads * c.head_dim
@@ -211,8 +220,9 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
                                     "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
     components += deepep_components(config, model_config, k)
     sampled = sched.max_num_seqs * (1 + k)
+    dp = config.parallel.attention == "dp" and config.parallel.ep_size > 1
     components.append(Component("activations", activation_bytes(model_config, sched.max_num_batched_tokens,
-                                                                 sampled, dtype, config.parallel.ep_size),
+                                                                 sampled, dtype, config.parallel.ep_size, dp),
                                 f"a forward over max_num_batched_tokens={sched.max_num_batched_tokens} (estimate)"))
     components.append(Component("reserve", RESERVE["cuda" if device.startswith("cuda") else "cpu"],
                                 "CUDA context, NCCL, allocator slack (estimate)" if device.startswith("cuda")
@@ -220,7 +230,7 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     return size_kv(config, device, device_bytes, components, weights, per_token, max_model_len,
                    {"quantization": quantization, "ep_size": config.parallel.ep_size,
-                    "model": config.model.path})
+                    "attention": "dp" if dp else "replicated", "model": config.model.path})
 
 
 def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, torch.nn.Module] | None:
@@ -336,5 +346,9 @@ def describe(plan: MemoryPlan, context: int) -> str:
                  f"{plan.kv_tokens} tokens ({plan.kv_bytes_per_token} bytes each)")
     lines.append(f"  {'total':<28} {(plan.fixed_bytes + plan.kv_bytes) / GiB:9.2f} GiB")
     lines.append(f"  concurrent requests at {context} tokens of context: {plan.kv_tokens // context}")
+    G = plan.details["ep_size"]
+    if plan.details["attention"] == "dp" and G > 1:
+        lines.append(f"group of {G} ranks, data-parallel attention (each rank its own requests and KV cache): "
+                     f"{G * plan.kv_tokens} tokens, {G * (plan.kv_tokens // context)} requests at {context}")
     lines.append("fits" if plan.fits else f"does not fit: {plan.problem}")
     return "\n".join(lines)

@@ -1,12 +1,17 @@
 """Expert-parallel routed experts: dispatch -> local experts -> combine, optionally as two
 microbatches whose all-to-alls overlap the other half's compute.
 
-Every rank runs the same batch through attention (replicated), so every rank holds the same
-x [T, M] and routing. Each rank therefore sends only its own contiguous share of the tokens
-(about T / G rows): dispatch one row per (token, destination rank) with that rank's expert ids
-and gate weights, run the local experts, weight and sum per row on the expert side, combine back
-to the token's owner, and all-gather the shards so every rank again holds all T outputs.
+Data-parallel attention (`dp`): every rank runs its own requests, so its x [T_r, M] is its own;
+it dispatches all of its rows and gets all of them back. T_r differs between ranks, and may be 0
+for a rank with no work this forward: counts are exchanged, never inferred.
+
+Replicated attention: every rank runs the same batch, so every rank holds the same x [T, M] and
+routing. Each rank therefore sends only its own contiguous share of the tokens (about T / G
+rows), and the shards are all-gathered afterwards so every rank again holds all T outputs.
 Dispatching all T tokens from every rank would move G times more data for the same result.
+
+Either way: one row per (token, destination rank) with that rank's expert ids and gate weights,
+the local experts run, each row is weighted and summed on the expert side, and combined back.
 
 Shapes legend: T tokens, A activated experts per token, E experts (global), L local experts,
 M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, expert) pairs.
@@ -42,26 +47,50 @@ class EPRuntime:
     current step's microbatch split (set by `step`, read by every MoE layer, MTP included)."""
 
     def __init__(self, ctx: ParallelContext, collectives: Collectives | None = None, backend: Backend = "torch",
-                 microbatch: bool = False, max_tokens_per_rank: int = 256) -> None:
-        self.ctx, self.backend, self.microbatch = ctx, backend, microbatch
+                 microbatch: bool = False, max_tokens_per_rank: int = 256, dp: bool = False) -> None:
+        self.ctx, self.backend, self.microbatch, self.dp = ctx, backend, microbatch, dp
         self.max_tokens_per_rank = max_tokens_per_rank  # DeepEP low-latency buffers: D * (1 + k)
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
         self.split: int | None = None
+        self.low_latency: bool | None = None  # DeepEP's mode, agreed by all ranks for the step
         self.active = False
 
     @contextmanager
-    def step(self, qo_indptr: torch.Tensor | None = None) -> Iterator[None]:
+    def step(self, qo_indptr: torch.Tensor | None = None, low_latency: bool | None = None) -> Iterator[None]:
         """Run one forward; with microbatching on and request boundaries given, MoE layers split
-        the batch in two at `split_point(qo_indptr)` (an empty half is legal)."""
+        the batch in two at `split_point(qo_indptr)`. Both halves always run, empty or not, so
+        every rank issues the same collectives whatever its own batch. `low_latency`: DeepEP's
+        mode when ranks' batches differ (data-parallel attention), decided by all of them."""
         if self.active:
             raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
-        self.active = True
+        self.active, self.low_latency = True, low_latency
         self.split = split_point(qo_indptr) if self.microbatch and qo_indptr is not None else None
         try:
             yield
         finally:
-            self.active, self.split = False, None
+            self.active, self.split, self.low_latency = False, None, None
+
+    def rows_of(self, num_tokens: int) -> tuple[int, int]:
+        """Rows [lo, hi) of a batch of num_tokens this rank dispatches: all of its own under
+        data-parallel attention, its share of the common batch under replicated attention."""
+        if self.dp:
+            return 0, num_tokens
+        return shard_bounds(num_tokens, self.ctx.ep_rank, self.ctx.ep_size)
+
+    def gather(self, shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Combined rows of this rank [hi - lo, M] -> the batch's [T, M] (all-gathered when replicated)."""
+        return shard if self.dp else gather_shards(self.collectives, shard, num_tokens)
+
+    def join(self, experts: list["EPExperts"], dtype: torch.dtype) -> None:
+        """A forward this rank has no tokens for: run each MoE layer's collectives with zero rows,
+        so the ranks that do have tokens are not left waiting (data-parallel attention)."""
+        with self.step(torch.zeros(1, dtype=torch.int64), self.low_latency):
+            for layer in experts:
+                hidden, top_k = layer.w2.shape[1], layer.top_k
+                layer.forward_with_shared(torch.zeros(0, hidden, dtype=dtype),
+                                          torch.zeros(0, top_k, dtype=torch.int64),
+                                          torch.zeros(0, top_k, dtype=dtype), None)
 
     def close(self) -> None:
         self.stream.close()
@@ -74,7 +103,8 @@ def ep_experts_factory(runtime: EPRuntime) -> Callable:
         if runtime.ctx.ep_size == 1:
             return LocalExperts.for_config(config)
         cls = DeepEPExperts if runtime.backend == "deepep" else EPExperts
-        return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, runtime)
+        return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, runtime,
+                   config.num_experts_per_tok)
     return build
 
 
@@ -107,12 +137,12 @@ class Dispatched:
 class EPExperts(LocalExperts):
     """Routed experts [first, first + L) of this rank; all-to-all over torch.distributed."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime, top_k: int) -> None:
         ctx = runtime.ctx
         check_divisible(num_experts, ctx.ep_size)
         num_local = num_experts // ctx.ep_size
         super().__init__(num_experts, hidden, intermediate, first=ctx.ep_rank * num_local, num_local=num_local)
-        self.runtime = runtime
+        self.runtime, self.top_k = runtime, top_k
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.forward_with_shared(x, topk_ids, topk_weights, None)
@@ -121,7 +151,7 @@ class EPExperts(LocalExperts):
                             shared: SharedExperts) -> torch.Tensor:
         """Routed (+ shared) expert output [T, M]; the shared experts run where they hide communication."""
         split = self.runtime.split
-        if split is None or x.shape[0] == 0:
+        if split is None:
             return self.forward_sequential(x, topk_ids, topk_weights, shared)
         return self.forward_microbatched(x, topk_ids, topk_weights, split, shared)
 
@@ -136,7 +166,7 @@ class EPExperts(LocalExperts):
                              split: int, shared: SharedExperts = None) -> torch.Tensor:
         """Halves [0, split) and [split, T). Comm thread: dispatch A, dispatch B, combine A,
         combine B; meanwhile this thread runs shared(A), experts(A), experts(B), shared(B)."""
-        halves = [h for h in (slice(0, split), slice(split, x.shape[0])) if h.stop > h.start]
+        halves = (slice(0, split), slice(split, x.shape[0]))  # both run, empty or not: collectives pair up
         stream = self.runtime.stream
         dispatched = [stream.submit("dispatch", self.dispatch, x[h], topk_ids[h], topk_weights[h]) for h in halves]
         shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
@@ -152,9 +182,9 @@ class EPExperts(LocalExperts):
     # -- the three stages (dispatch and combine run on the comm thread)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
-        """Send each token of this rank's shard once to every rank owning one of its experts."""
+        """Send each token of this rank's rows once to every rank owning one of its experts."""
         ctx, coll = self.runtime.ctx, self.runtime.collectives
-        lo, hi = shard_bounds(x.shape[0], ctx.ep_rank, ctx.ep_size)
+        lo, hi = self.runtime.rows_of(x.shape[0])
         token_index, dest = self.plan_rows(topk_ids[lo:hi])  # [N], [N]
         ids = topk_ids[lo:hi][token_index]  # [N, A]
         owned = ids // self.num_local == dest[:, None]  # [N, A] expert lives on the row's destination
@@ -190,12 +220,11 @@ class EPExperts(LocalExperts):
         return out
 
     def combine(self, y: torch.Tensor, received: Dispatched) -> torch.Tensor:
-        """y [R, M] -> back to the senders, summed per token -> all ranks' shards gathered [T, M]."""
-        ctx, coll = self.runtime.ctx, self.runtime.collectives
-        back = coll.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
-        lo, hi = shard_bounds(received.num_tokens, ctx.ep_rank, ctx.ep_size)
+        """y [R, M] -> back to the senders, summed per token -> [T, M] (gathered when replicated)."""
+        back = self.runtime.collectives.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
+        lo, hi = self.runtime.rows_of(received.num_tokens)
         shard = y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
-        return gather_shards(coll, shard, received.num_tokens)
+        return self.runtime.gather(shard, received.num_tokens)
 
 
 def gather_shards(coll: Collectives, shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -231,11 +260,13 @@ class DeepEPExperts(EPExperts):
     """DeepEP V1 API (`from deep_ep import Buffer`): normal mode for shards larger than the
     low-latency budget (prefill), low-latency mode otherwise (decode/verify), with
     `return_recv_hook` so two microbatches overlap. Needs CUDA, NVSHMEM and a DeepEP build; it
-    has not run on this project's CPU machines. Each rank dispatches its token shard, as in the
-    torch backend, and the shards are all-gathered over torch.distributed."""
+    has not run on this project's CPU machines. Each rank dispatches its rows, as in the torch
+    backend (under replicated attention the shards are all-gathered over torch.distributed).
+    Under data-parallel attention every rank must pick the same mode although its batch is its
+    own: the step's agreed `runtime.low_latency` decides."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime) -> None:
-        super().__init__(num_experts, hidden, intermediate, runtime)
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime, top_k: int) -> None:
+        super().__init__(num_experts, hidden, intermediate, runtime, top_k)
         self.buffers: dict[str, object] = {}
 
     def buffer(self, mode: Literal["normal", "low_latency"]):
@@ -247,11 +278,15 @@ class DeepEPExperts(EPExperts):
                             shared: SharedExperts) -> torch.Tensor:
         split = self.runtime.split
         halves = [slice(0, x.shape[0])] if split is None else [slice(0, split), slice(split, x.shape[0])]
-        halves = [h for h in halves if h.stop > h.start]
-        if not halves:
-            return x.new_zeros(x.shape)
+        if not self.runtime.dp:  # every rank holds the same batch, so all skip the same empty halves
+            halves = [h for h in halves if h.stop > h.start]
+            if not halves:
+                return x.new_zeros(x.shape)
         shards = [self.shard_of(h) for h in halves]
-        if max(s.stop - s.start for s in shards) > self.runtime.max_tokens_per_rank:
+        low_latency = self.runtime.low_latency
+        if low_latency is None:
+            low_latency = max(s.stop - s.start for s in shards) <= self.runtime.max_tokens_per_rank
+        if not low_latency:
             out = torch.cat([self.run_normal(x[s], topk_ids[s], topk_weights[s]) for s in shards])
         else:
             out = self.run_low_latency(x, topk_ids, topk_weights, shards)
@@ -260,8 +295,7 @@ class DeepEPExperts(EPExperts):
 
     def shard_of(self, half: slice) -> slice:
         """This rank's rows of one half, as absolute rows of the batch."""
-        ctx = self.runtime.ctx
-        lo, hi = shard_bounds(half.stop - half.start, ctx.ep_rank, ctx.ep_size)
+        lo, hi = self.runtime.rows_of(half.stop - half.start)
         return slice(half.start + lo, half.start + hi)
 
     def run_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -304,10 +338,10 @@ class DeepEPExperts(EPExperts):
         return out
 
     def gather_halves(self, shard_out: torch.Tensor, halves: list[slice]) -> torch.Tensor:
-        ctx, coll, outs, start = self.runtime.ctx, self.runtime.collectives, [], 0
+        outs, start = [], 0
         for h in halves:
-            lo, hi = shard_bounds(h.stop - h.start, ctx.ep_rank, ctx.ep_size)
-            outs.append(gather_shards(coll, shard_out[start: start + hi - lo], h.stop - h.start))
+            lo, hi = self.runtime.rows_of(h.stop - h.start)
+            outs.append(self.runtime.gather(shard_out[start: start + hi - lo], h.stop - h.start))
             start += hi - lo
         return torch.cat(outs)
 

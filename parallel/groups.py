@@ -1,7 +1,7 @@
 """Process groups from the launcher's environment (torchrun or slurm), built explicitly.
 
-Layout: every rank runs the same batch through attention (replicated) and holds only its share
-of the routed experts; ranks [g * ep_size, (g + 1) * ep_size) form expert-parallel group g.
+Layout: every rank holds only its share of the routed experts; ranks [g * ep_size, (g + 1) * ep_size)
+form expert-parallel group g. Attention is each rank's own (data-parallel) or replicated.
 Nothing here runs at import time: `init_parallel(config)` returns a `ParallelContext` that
 callers pass on, and `destroy(ctx)` tears it down.
 """
@@ -42,9 +42,10 @@ class ParallelContext:
     ep_group: Any  # torch.distributed ProcessGroup, or None for a single process
     ep_rank: int
     ep_size: int
-    leader: bool  # rank 0: owns the scheduler, packs and broadcasts each batch
+    leader: bool  # rank 0: takes the requests and places them on the ranks
     device: torch.device
     timeout_s: float = 120.0
+    host: str = "127.0.0.1"  # where other ranks reach rank 0
 
     @property
     def distributed(self) -> bool:
@@ -122,7 +123,7 @@ def init_parallel(config: ParallelSection, env: Mapping[str, str] | None = None)
                             f"within {config.timeout_s:g} s: {error}") from error
     group, ep_rank = build_ep_group(launch.rank, launch.world_size, config.ep_size)
     return ParallelContext(launch.rank, launch.world_size, launch.local_rank, group, ep_rank, config.ep_size,
-                           launch.rank == 0, device, config.timeout_s)
+                           launch.rank == 0, device, config.timeout_s, launch.master_addr)
 
 
 def single_process_context(config: ParallelSection) -> ParallelContext:

@@ -1,108 +1,206 @@
-"""The engine across ranks: the leader schedules and samples, every rank runs each MoE-bearing
-forward (target and MTP layer) in lockstep; output equals one process, token for token."""
+"""The engine across ranks: every rank runs its own engine and the same step; rank 0 places the
+requests. Greedy output equals one process token for token, under data-parallel attention
+(requests spread over the ranks, arriving and finishing at different steps, ranks left idle)
+and under replicated attention, with no speculation, MTP k=1 and k=2 and draft-target."""
 import pytest
-import torch
 
 from moespec.config import build_config
 from moespec.parallel.local_launch import run_ranks
-from tiny_models import save_tiny_deepseek
+from tiny_models import save_tiny_deepseek, save_tiny_llama
 
-PROMPTS = [[3, 40, 7, 9, 1], [9] * 21, [5, 1, 77, 100, 2, 64, 8, 12, 90, 33, 11]]
-SPEC = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+PROMPTS = [[3, 40, 7, 9, 1], [9] * 21, [5, 1, 77, 100, 2, 64, 8, 12, 90, 33, 11], [2, 2, 8], [17, 4, 30, 6, 5, 5, 1],
+           [60, 61, 62, 63]]
+# (arrival step, prompt, max_tokens): arrivals spread out; the first request is short, so rank 0
+# idles while the others decode, and the last arrives after most have finished
+STAGGERED = [(0, PROMPTS[0], 3), (0, PROMPTS[1], 14), (2, PROMPTS[2], 11), (3, PROMPTS[3], 9), (5, PROMPTS[4], 12),
+             (30, PROMPTS[5], 6)]
+TOGETHER = [(0, p, n) for p, n in zip(PROMPTS[:4], (16, 9, 13, 5))]
+ALONE = [(0, PROMPTS[2], 12)]  # one request: every other rank has no work at all
+
+SPEC = {
+    "none": {"mode": "none"},
+    "mtp1": {"mode": "mtp", "num_speculative_tokens": 1, "adaptive": False},
+    "mtp2": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False},
+    "draft": {"mode": "draft", "num_speculative_tokens": 2, "adaptive": False},
+    "mtp2-adaptive": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": True},
+}
 
 
-def engine_config(path: str, ep_size: int, microbatch: bool = True):
-    return build_config({"model": {"path": path}, "cache": {"page_size": 4, "num_kv_pages": 128},
-                         "speculation": SPEC,
-                         "parallel": {"ep_size": ep_size, "microbatch": microbatch, "timeout_s": 30}})
+def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
+                  num_kv_pages: int = 128, max_num_seqs: int = 64):
+    speculation = dict(SPEC[spec])
+    if spec == "draft":
+        speculation["draft_model"] = paths["draft"]
+    return build_config({"model": {"path": paths["target"]},
+                         "cache": {"page_size": 4, "num_kv_pages": num_kv_pages},
+                         "scheduler": {"max_num_seqs": max_num_seqs},
+                         "speculation": speculation,
+                         "parallel": {"ep_size": ep_size, "microbatch": microbatch, "timeout_s": 30,
+                                      "attention": attention}})
 
 
-def generate(engine) -> list[list[int]]:
+def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
+    """Add each request at its arrival step; step until all are done -> (outputs, verify steps)."""
     from moespec.sampling import SamplingParams
-    seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-            for p, n in zip(PROMPTS, (16, 9, 13))]
-    while engine.has_unfinished():
+    pending = sorted(enumerate(requests), key=lambda item: item[1][0])
+    seqs, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            index, (_, prompt, max_tokens) = pending.pop(0)
+            seqs[index] = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                    ignore_eos=True))
         engine.step()
-    return [s.output_ids for s in seqs], engine.spec_stats.steps
+        step += 1
+    return [seqs[i].output_ids for i in range(len(requests))], engine.spec_stats.steps
 
 
-def lead_or_follow(config):
-    """The leader's Ranks; on the other ranks None, once they have followed the leader to its stop."""
-    from moespec.distributed import follow, join_ranks
-    ranks = join_ranks(config)
-    if ranks.ctx.leader:
-        return ranks
+def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
+    """Every scenario on the same ranks: rank 0 returns (outputs, verify steps), the others the
+    number of requests they ran and their own verify steps."""
+    from moespec.distributed import join_ranks
+    from moespec.engine import Engine
+    ranks = join_ranks(engine_config(paths, ep_size, "none"))
+    results = []
     try:
-        follow(config, ranks.ctx, ranks.runtime)
+        for s in scenarios:
+            config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
+                                   s.get("num_kv_pages", 128), s.get("max_num_seqs", 64))
+            ranks.runtime.microbatch, ranks.runtime.dp = config.parallel.microbatch, config.parallel.attention == "dp"
+            engine = Engine(config, ranks=ranks)
+            if ranks.ctx.leader:
+                outputs, spec_steps = run_schedule(engine, s["requests"])
+                engine.stop_ranks()
+                results.append((outputs, spec_steps, engine.stats.requests))
+            else:
+                engine.serve_forever()
+                results.append((None, engine.spec_stats.steps, engine.stats.requests))
     finally:
         ranks.close()
-    return None
+    return results
 
 
-def rank_main(rank: int, path: str, ep_size: int, microbatch: bool):
+def expected_outputs(paths: dict, scenario: dict) -> list[list[int]]:
     from moespec.engine import Engine
-    config = engine_config(path, ep_size, microbatch)
-    ranks = lead_or_follow(config)
-    if ranks is None:
-        return None
-    engine = Engine(config, ranks=ranks)
-    try:
-        return generate(engine)
-    finally:
-        engine.close()
+    config = engine_config(paths, 1, scenario["spec"], num_kv_pages=scenario.get("num_kv_pages", 128) * 4)
+    return run_schedule(Engine(config), [(0, p, n) for _, p, n in scenario["requests"]])[0]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ds-mtp-ep")
-    save_tiny_deepseek(path, mtp=True)
-    return str(path)
+def paths(tmp_path_factory):
+    target, draft = tmp_path_factory.mktemp("ds-mtp-ep"), tmp_path_factory.mktemp("draft")
+    save_tiny_deepseek(target, mtp=True)
+    save_tiny_llama(draft, seed=3, layers=2)
+    return {"target": str(target), "draft": str(draft)}
 
 
-@pytest.mark.parametrize("ep_size,microbatch", [(2, True), (2, False), (4, True)])
-def test_ep_greedy_with_mtp_matches_one_process(checkpoint, ep_size, microbatch):
-    from moespec.engine import Engine
-    expected, _ = generate(Engine(engine_config(checkpoint, 1)))
-    results = run_ranks(rank_main, ep_size, checkpoint, ep_size, microbatch, timeout_s=120)
+def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: float = 300):
+    results = run_ranks(rank_main, ep_size, paths, ep_size, scenarios, timeout_s=timeout_s)
     for result in results:
         assert result.error is None, result.error
-    outputs, spec_steps = results[0].value
-    assert outputs == expected
-    assert spec_steps > 0
-    assert all(r.value is None for r in results[1:])
+    for i, s in enumerate(scenarios):
+        outputs, spec_steps, placed = results[0].value[i]
+        assert outputs == expected_outputs(paths, s), s
+        per_rank = [placed] + [r.value[i][2] for r in results[1:]]
+        steps = [spec_steps] + [r.value[i][1] for r in results[1:]]
+        if s.get("attention", "dp") == "dp":
+            assert sum(per_rank) == len(s["requests"])
+            if len(s["requests"]) >= ep_size:
+                assert all(per_rank), f"requests not spread over the ranks: {per_rank}"
+        else:
+            assert per_rank == [len(s["requests"])] * ep_size
+        if s["spec"] != "none":
+            assert sum(steps) > 0, f"{s['spec']}: no rank speculated"
+    return results
 
 
-def test_engine_refuses_ep_without_ranks(checkpoint):
+def test_dp_attention_ep2_matches_one_process(paths):
+    """EP=2, data-parallel attention: no speculation, MTP k=1 (microbatched or not), k=2 and
+    draft-target; staggered arrivals, ranks left idle, and a single request."""
+    check_runs(paths, 2, [
+        {"spec": "none", "requests": STAGGERED},
+        {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "mtp1", "requests": TOGETHER, "microbatch": False},
+        {"spec": "mtp2", "requests": STAGGERED},
+        {"spec": "mtp2", "requests": ALONE},
+        {"spec": "draft", "requests": STAGGERED},
+        {"spec": "mtp2-adaptive", "requests": STAGGERED},
+    ])
+
+
+def test_dp_attention_ep4_matches_one_process(paths):
+    check_runs(paths, 4, [
+        {"spec": "none", "requests": TOGETHER},
+        {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "mtp2", "requests": TOGETHER, "microbatch": False},
+        {"spec": "draft", "requests": TOGETHER},
+    ])
+
+
+def test_replicated_attention_matches_one_process(paths):
+    check_runs(paths, 2, [
+        {"spec": "mtp2", "requests": STAGGERED, "attention": "replicated"},
+        {"spec": "none", "requests": TOGETHER, "attention": "replicated", "microbatch": False},
+    ])
+
+
+def test_dp_kv_capacity_is_the_sum_over_ranks(paths):
+    """Each rank's cache holds 10 pages of 4 tokens: 2 requests of 18 tokens. Four run at once
+    only because two ranks hold two each."""
+    requests = [(0, [5 + i, 9, 3, 7] * 3, 6) for i in range(4)]
+    s = {"spec": "mtp1", "requests": requests, "num_kv_pages": 10, "max_num_seqs": 4}
+    results = check_runs(paths, 2, [s])
+    assert [r.value[0][2] for r in results] == [2, 2]
+
+
+def test_step_plan_from_reports():
+    """k: the smallest wish of the ranks that can speculate, capped by each rank's room; MTP
+    forwards: the most any speculating rank runs before the target, one after when anyone
+    speculates or flushes; an idle rank neither speculates nor counts."""
+    from moespec.distributed import StepReport, decide
+    decode = StepReport(has_work=1, k_wish=3, room=5, num_tokens=4)
+    lagging_short = StepReport(has_work=1, k_wish=2, room=1, lags=1, num_tokens=2)
+    prefill = StepReport(has_work=1, k_wish=-1, flush=1, decode=0, num_tokens=30)
+    idle = StepReport()
+    plan = decide([decode, lagging_short, prefill, idle], sent=(4, 1, 0, 2))
+    assert plan.run and not plan.stop and not plan.decode
+    assert plan.ks == (2, 1, 0, 0)
+    assert plan.mtp_before == max(0 + 2 - 1, 1 + 1 - 1) and plan.mtp_after
+    assert plan.sent == (4, 1, 0, 2)
+    assert decide([decode, idle]).ks == (3, 0) and decide([decode, idle]).decode
+    plain = decide([prefill, idle])
+    assert plain.ks == (0, 0) and plain.mtp_before == 0 and plain.mtp_after  # the prefill rank flushes
+    assert not decide([StepReport(has_work=1, k_wish=0), idle]).mtp_after  # k = 0: no verify re-run
+    assert decide([decode, StepReport(has_work=1, k_wish=0)]).ks == (0, 0)  # one rank turns it down for all
+    nothing = decide([StepReport(stop=1), idle])
+    assert nothing.stop and not nothing.run
+
+
+def test_engine_refuses_ep_without_ranks(paths):
     from moespec.engine import Engine
-    with pytest.raises(ValueError, match="run_as_rank"):
-        Engine(engine_config(checkpoint, 2))
+    with pytest.raises(ValueError, match="start_engine"):
+        Engine(engine_config(paths, 2, "mtp2"))
 
 
-def idle_rank_main(rank: int, path: str, idle_s: float):
-    """The leader sits idle (as a server between requests) for longer than the collective
-    timeout, keeping its followers alive, then serves."""
+def idle_rank_main(rank: int, paths: dict, idle_s: float):
+    """Rank 0 sits idle (as a server between requests) for longer than the collective timeout,
+    keeping the other ranks alive with empty steps, then serves."""
     import time
-    from moespec.engine import Engine
-    config = build_config({"model": {"path": path}, "cache": {"page_size": 4, "num_kv_pages": 128},
-                           "speculation": SPEC, "parallel": {"ep_size": 2, "timeout_s": 2}})
-    ranks = lead_or_follow(config)
-    if ranks is None:
-        return None
-    engine = Engine(config, ranks=ranks)
+    from moespec.distributed import start_engine
+    config = build_config({"model": {"path": paths["target"]}, "cache": {"page_size": 4, "num_kv_pages": 128},
+                           "speculation": SPEC["mtp2"], "parallel": {"ep_size": 2, "timeout_s": 2}})
+    engine = start_engine(config)  # rank 1 serves inside and exits
     try:
         deadline = time.monotonic() + idle_s
         while time.monotonic() < deadline:
             engine.keep_alive()
             time.sleep(0.05)
-        return generate(engine)
+        return run_schedule(engine, TOGETHER)
     finally:
         engine.close()
 
 
-def test_idle_leader_keeps_its_followers(checkpoint):
-    from moespec.engine import Engine
-    expected, _ = generate(Engine(engine_config(checkpoint, 1)))
-    results = run_ranks(idle_rank_main, 2, checkpoint, 5.0, timeout_s=120)
-    for result in results:
-        assert result.error is None, result.error
-    assert results[0].value[0] == expected
+def test_idle_rank0_keeps_the_others(paths):
+    results = run_ranks(idle_rank_main, 2, paths, 5.0, timeout_s=120)
+    assert results[0].error is None, results[0].error
+    assert results[1].exitcode == 0, results[1].error
+    assert results[0].value[0] == expected_outputs(paths, {"spec": "mtp2", "requests": TOGETHER})

@@ -172,7 +172,7 @@ def test_layout_errors_name_both_values():
         init_parallel(ParallelSection(ep_size=2), env={})
     ctx = ParallelContext(0, 3, 0, None, 0, 3, True, torch.device("cpu"))
     with pytest.raises(ParallelError, match="n_routed_experts 8 is not divisible by parallel.ep_size 3"):
-        EPExperts(8, 16, 8, fake_runtime(ctx))
+        EPExperts(8, 16, 8, fake_runtime(ctx), 2)
 
 
 def fake_runtime(ctx: ParallelContext) -> EPRuntime:
@@ -187,26 +187,49 @@ def test_ep2_config_loads():
             config.parallel.dist_backend) == (2, "torch", True, "gloo")
 
 
-def broadcast_rank(rank: int) -> list[list[int]]:
-    from moespec.batch import Span, pack_spans
-    from moespec.parallel import broadcast_batch
-    ctx = init_parallel(ParallelSection(ep_size=2, timeout_s=20))
-    batch = pack_spans([Span([3, 1], 5, [7, 8]), Span([0], 0, [9])], 4, "verify") if ctx.leader else None
-    got = broadcast_batch(ctx, batch)
-    destroy(ctx)
-    return [got.mode, got.page_size] + [getattr(got, name).tolist() for name in got.TENSORS]
+def dp_experts_rank(rank: int, microbatch: bool) -> list[float]:
+    """Data-parallel attention: each rank's own rows (rank 1 has none; rank 2 has one) through the
+    EP experts; the error against the same experts run locally over those rows."""
+    from moespec.models.moe import LocalExperts
+    ctx = init_parallel(ParallelSection(ep_size=3, timeout_s=20))
+    runtime = EPRuntime(ctx, microbatch=microbatch, dp=True)
+    torch.manual_seed(0)
+    full = LocalExperts(6, 16, 8)  # the same weights on every rank
+    experts = EPExperts(6, 16, 8, runtime, top_k=2)
+    experts.w13.data.copy_(full.w13[experts.first: experts.first + experts.num_local])
+    experts.w2.data.copy_(full.w2[experts.first: experts.first + experts.num_local])
+    errors = []
+    try:
+        for step, T in enumerate(([5, 0, 1], [0, 3, 2], [0, 0, 4])):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            n = T[rank]
+            x = torch.randn(n, 16, generator=gen)
+            ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(n)]) if n else \
+                torch.zeros(0, 2, dtype=torch.int64)
+            weights = torch.rand(n, 2, generator=gen)
+            qo = torch.tensor([0, n // 2, n])
+            with runtime.step(qo):
+                got = experts.forward_with_shared(x, ids, weights, None)
+            errors.append((got - full(x, ids, weights)).abs().max().item() if n else float(got.shape[0]))
+        runtime.join([experts], torch.float32)  # every rank without work: the empty joins pair up
+    finally:
+        runtime.close()
+        destroy(ctx)
+    return errors
 
 
-def test_leader_batch_reaches_every_rank():
-    leader, other = run_ranks(broadcast_rank, 2, timeout_s=40)
-    assert leader.error is None and other.error is None, (leader.error, other.error)
-    assert leader.value == other.value and leader.value[0] == "verify" and leader.value[2] == [7, 8, 9]
+@pytest.mark.parametrize("microbatch", [False, True])
+def test_dp_experts_each_rank_gets_its_own_rows_back(microbatch):
+    outcomes = run_ranks(dp_experts_rank, 3, microbatch, timeout_s=60)
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.error
+        assert max(outcome.value) < 1e-5, outcome.value
 
 
 def test_deepep_backend_without_deepep_says_what_to_install():
     if importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("DeepEP is installed here")
-    experts = DeepEPExperts(8, 16, 8, fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu"))))
+    experts = DeepEPExperts(8, 16, 8, fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu"))), 2)
     assert (experts.first, experts.num_local) == (0, 4)
     with pytest.raises(ParallelError, match="DeepEP built from source"):
         experts.buffer("low_latency")

@@ -210,9 +210,9 @@ def wait_exit(process, timeout: float) -> int | None:
         return None
 
 
-def test_stuck_leader_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_path, checkpoint):
-    """The leader's step hangs: it exits 70 with the phase in its message, and its follower rank,
-    waiting for the next forward, exits too instead of hanging."""
+def test_stuck_rank0_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_path, checkpoint):
+    """Rank 0's step hangs: it exits 70 with the phase in its message, and rank 1, waiting in the
+    step's collectives, exits too instead of hanging."""
     port, master_port = free_port(), free_port()
     config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5},
                           parallel={"ep_size": 2, "timeout_s": 60})
@@ -230,7 +230,7 @@ def test_stuck_leader_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_pa
     logs = [Path(log).read_text()[-3000:] for _, log in processes]
     assert codes[0] == 70, logs[0]
     assert "moespec: fatal: engine step stuck in phase 'target forward (prefill)'" in logs[0]
-    assert codes[1] not in (None, 0), logs[1]  # the follower saw its leader go and exited, not hung
+    assert codes[1] not in (None, 0), logs[1]  # rank 1 saw rank 0 go and exited, not hung
 
 
 def stream_until_done(url: str, body: dict, first_chunk: threading.Event, result: dict) -> None:
@@ -278,3 +278,91 @@ def test_sigterm_drains_then_exits_zero(tmp_path, checkpoint, drain_timeout_s, m
     assert result == {"done": True, "finish_reason": expected}, (result, output[-2000:])
     if expected == "abort":
         assert time.monotonic() - signaled < drain_timeout_s + 15
+
+
+# ---------------------------------------------------------------------- data-parallel attention over 2 ranks
+
+
+def read_rank_metrics(url: str) -> dict[tuple[str, str], float]:
+    """{(metric, rank): value} of the per-rank gauges."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("moespec_rank_"):
+            name, value = line.rsplit(" ", 1)
+            metric, label = name.split("{")
+            values[(metric, label.split('"')[1])] = float(value)
+    return values
+
+
+def stream_tokens(url: str, body: dict, results: list, index: int, stop_after: int | None = None) -> None:
+    """Stream a completion; with stop_after, disconnect after that many chunks."""
+    chunks, finish = 0, None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            for choice in json.loads(line[6:]).get("choices", []):
+                finish = choice.get("finish_reason") or finish
+            if stop_after is not None and chunks >= stop_after:
+                break  # leaving the block closes the connection: a client disconnect
+    results[index] = (chunks, finish)
+
+
+def test_torchrun_dp_serving_spreads_streams_and_frees_pages_on_disconnect(tmp_path):
+    """`torchrun --nproc-per-node 2 -m moespec serve --config configs/tiny-deepseek-mtp-ep2.yaml`:
+    32 concurrent streams complete, both ranks run some; 8 long streams that disconnect early free
+    their pages on whichever rank ran them; /health stays OK throughout."""
+    port, master_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    log = open(tmp_path / "torchrun.log", "w")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    process = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(master_port), "-m",
+                                "moespec", "serve", "--config", "configs/tiny-deepseek-mtp-ep2.yaml", "--port",
+                                str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                               start_new_session=True)
+    try:
+        wait_healthy(url, [process], timeout=180)
+        total = read_rank_metrics(url)
+        pages = {rank: total[("moespec_rank_kv_pages_free", rank)] for rank in ("0", "1")}
+        assert min(pages.values()) > 0
+        peak = {"0": 0.0, "1": 0.0}
+        results = [None] * 32
+        body = {"prompt": "def main():", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        threads = [threading.Thread(target=stream_tokens, args=(url, body, results, i)) for i in range(32)]
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads):
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            metrics = read_rank_metrics(url)
+            for rank in peak:
+                peak[rank] = max(peak[rank], metrics.get(("moespec_rank_requests_running", rank), 0))
+            time.sleep(0.1)
+        assert all(r is not None and r[1] == "length" and r[0] >= 2 for r in results), results
+        assert peak["0"] > 0 and peak["1"] > 0, peak  # both ranks ran requests at once
+        long_body = {"prompt": "import os", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        dropped = [None] * 8
+        threads = [threading.Thread(target=stream_tokens, args=(url, long_body, dropped, i, 2)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert all(r is not None and r[1] is None for r in dropped), dropped  # disconnected before the end
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = read_rank_metrics(url)
+            if all(metrics[("moespec_rank_kv_pages_free", rank)] == pages[rank] for rank in pages) and \
+                    all(metrics[("moespec_rank_requests_running", rank)] == 0 for rank in pages):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"pages not freed after the disconnects: {metrics} (all free: {pages})")
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks (and exits 1 itself)
+        code = wait_exit(process, timeout=60)
+        log.close()
+    output = (tmp_path / "torchrun.log").read_text()
+    assert code is not None, output[-3000:]
+    assert "drained (0 requests aborted)" in output and "Connection closed" not in output, output[-3000:]

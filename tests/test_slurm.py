@@ -292,6 +292,26 @@ def single_process_completion(case: Case) -> tuple[str, int]:
     return REFERENCES[key]
 
 
+def complete_concurrently(base: str, count: int) -> list[dict]:
+    """`count` greedy completions of PROMPT sent at once (rank 0 places them on different ranks)."""
+    import threading
+    body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
+    answers: list = [None] * count
+
+    def complete(i: int) -> None:
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answers[i] = json.loads(r.read())
+    threads = [threading.Thread(target=complete, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=150)
+    assert all(answers), "a completion did not arrive"
+    return answers
+
+
 @pytest.mark.parametrize("ci", [None, "", "false", "0"])
 def test_missing_slurm_skips_outside_ci(monkeypatch, ci):
     monkeypatch.setitem(globals(), "missing_tools", lambda: ["slurmctld"])
@@ -381,20 +401,22 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
                             f"{tail(tmp / f'job-{job_id}.out')}\n{logs}")
             time.sleep(1)
 
-        body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            answer = json.loads(r.read())
-        choice = answer["choices"][0]
-        assert choice["finish_reason"] == "length", answer
-        assert "speculation" in answer["usage"], answer
+        # as many concurrent requests as ranks: with data-parallel attention each rank runs one
+        ntasks = 1 if sbatch_file == "llama-draft.sbatch" else 2
+        answers = complete_concurrently(base, ntasks)
         # the job's ranks (and speculation) produce exactly what one process does with the same config
         text, num_tokens = single_process_completion(case)
-        assert (choice["text"], answer["usage"]["completion_tokens"]) == (text, num_tokens), answer
+        for answer in answers:
+            choice = answer["choices"][0]
+            assert choice["finish_reason"] == "length", answer
+            assert "speculation" in answer["usage"], answer
+            assert (choice["text"], answer["usage"]["completion_tokens"]) == (text, num_tokens), answer
+        if ntasks > 1:  # rank 1 ran its own requests (data-parallel attention), not rank 0's batches
+            assert "rank 1 serving (attention: dp)" in tail(log_dir / "rank-1.log", 100_000)
+            metrics = http_get(f"{base}/metrics")[1]
+            assert 'moespec_rank_kv_pages_free{rank="1"}' in metrics, metrics[-2000:]
 
         # the leader said where it serves, and each rank has its own log
-        ntasks = 1 if sbatch_file == "llama-draft.sbatch" else 2
         assert sorted(p.name for p in log_dir.glob("rank-*.log")) == [f"rank-{i}.log" for i in range(ntasks)]
         assert f"http://127.0.0.1:{port}/v1" in tail(log_dir / "rank-0.log", 100_000)
         assert f"http://127.0.0.1:{port}/v1" in tail(tmp / f"job-{job_id}.out", 100_000)

@@ -247,7 +247,7 @@ class EngineLoop:
 
     def add_group(self, handle: RequestHandle, prompts: list[list[int]], params: SamplingParams,
                   loop: asyncio.AbstractEventLoop) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.num_waiting()
         if waiting + len(handle.request_ids) > self.max_waiting_requests:
             raise Overloaded(f"{waiting} sequences are waiting and this request adds {len(handle.request_ids)} "
                              f"(server.max_waiting_requests = {self.max_waiting_requests}); retry later")
@@ -281,7 +281,7 @@ class EngineLoop:
         self.metrics.observe_engine(self.engine)
 
     def keep_alive(self) -> None:
-        """An idle leader's message to its followers, watched like a step (it is a collective)."""
+        """An idle rank 0's empty step now and then, watched like a step (it is a collective)."""
         self.watched(self.engine.keep_alive)
 
     def watched(self, action: Callable[[], object]):
@@ -291,6 +291,8 @@ class EngineLoop:
             return action()
         except Exception as e:
             logger.exception("engine work failed; aborting %d requests", len(self.streams))
+            if self.engine.lockstep is not None:  # the ranks are out of step: no later step can pair up
+                self.stall(f"engine step failed across ranks: {type(e).__name__}: {e}")
             self.fail_all(EngineFailed(f"the engine failed: {type(e).__name__}: {e}"))
             return None
         finally:

@@ -1,7 +1,7 @@
 """`moespec serve`: build the engine from a config and serve it over HTTP.
 
-Under torchrun or slurm only the leader (rank 0) owns the HTTP server, tokenizer and
-scheduler; the other ranks replay its forwards (moespec.distributed.follow) and exit with it.
+Under torchrun or slurm rank 0 owns the HTTP server and places each request on a rank
+(moespec.cluster); every rank runs its own engine, and the others exit when rank 0 stops.
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish or, after
 `server.drain_timeout_s`, are aborted, then the server shuts down and the process exits 0.
@@ -45,12 +45,10 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str | None = None, port: int | None = None, api_key: str | None = None,
           log_level: str = "info") -> None:
-    from moespec.distributed import run_as_rank
-    from moespec.engine import Engine
+    from moespec.distributed import start_engine
     from moespec.server.app import create_app
 
-    ranks = run_as_rank(config)  # other ranks replay the leader's forwards and exit with it
-    engine = Engine(config, ranks=ranks)
+    engine = start_engine(config)  # other ranks serve their share of the requests and exit with rank 0
     s = config.server
     host, port, api_key = host or s.host, port or s.port, api_key or s.api_key
     app = create_app(engine, config.model.served_model_name, api_key, s)

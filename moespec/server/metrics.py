@@ -36,6 +36,13 @@ class ServerMetrics:
         self.draft_tokens = Gauge("moespec_spec_draft_tokens", "Draft tokens proposed since start", registry=r)
         self.accepted_tokens = Gauge("moespec_spec_accepted_tokens", "Draft tokens accepted since start",
                                      registry=r)
+        self.rank_running = Gauge("moespec_rank_requests_running", "Sequences in a rank's running batch", ["rank"],
+                                  registry=r)
+        self.rank_waiting = Gauge("moespec_rank_requests_waiting", "Sequences waiting on a rank", ["rank"],
+                                  registry=r)
+        self.rank_kv_usage = Gauge("moespec_rank_kv_cache_usage_ratio", "Fraction of a rank's KV pages in use",
+                                   ["rank"], registry=r)
+        self.rank_kv_free = Gauge("moespec_rank_kv_pages_free", "A rank's free KV pages", ["rank"], registry=r)
         self.http = Counter("moespec_http_requests", "HTTP responses by method, route and status",
                             ["method", "route", "status"], registry=r)
 
@@ -62,10 +69,13 @@ class ServerMetrics:
             self.tpot.observe(seq.metrics.tpot)
 
     def observe_engine(self, engine: Engine) -> None:
+        """Across ranks: requests summed over the ranks, and per rank as of the last step; the KV
+        ratio and free pages of rank 0's own cache (every rank's in the per-rank gauges)."""
         self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
+        self.waiting.set(engine.num_waiting())
         self.kv_usage.set(engine.allocator.usage())
         self.kv_free.set(engine.allocator.num_free)
+        self.observe_ranks(engine)
         spec = engine.spec_stats
         if spec.steps:
             self.accept_length.set(spec.accept_length)
@@ -73,3 +83,16 @@ class ServerMetrics:
             self.accepted_tokens.set(spec.accepted_tokens)
             for position, rate in enumerate(spec.acceptance_by_position()):
                 self.acceptance.labels(position=str(position)).set(rate)
+
+    def observe_ranks(self, engine: Engine) -> None:
+        loads = engine.rank_loads()
+        if loads is None:
+            return
+        if engine.cluster.dp:
+            self.running.set(sum(load.running for load in loads))
+        for rank, load in enumerate(loads):
+            label = str(rank)
+            self.rank_running.labels(rank=label).set(load.running)
+            self.rank_waiting.labels(rank=label).set(load.waiting)
+            self.rank_kv_usage.labels(rank=label).set(load.kv_usage)
+            self.rank_kv_free.labels(rank=label).set(load.free_pages)

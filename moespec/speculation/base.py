@@ -50,6 +50,15 @@ class Speculator:
         KV caches (a memory planner counts them)."""
         return 0
 
+    def needs_catch_up(self, seqs: list[Sequence]) -> bool:
+        """Whether `propose` for these requests first runs a catch-up forward (counted by ranks in
+        lockstep when the draft's forwards carry expert-parallel MoE layers)."""
+        return False
+
+    def needs_flush(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether `observe` after a plain target forward over these chunks runs a draft forward."""
+        return False
+
     def observe(self, chunks: list[ScheduledChunk], batch: Batch, hidden: torch.Tensor) -> None:
         """After a target forward: `chunks` are the step's requests in batch order, `hidden` [T, M]
         its hidden states (a verify batch has 1 + K rows per chunk)."""

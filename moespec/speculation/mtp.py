@@ -59,7 +59,7 @@ class MTPSpeculator(Speculator):
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
         self.backend = create_backend(attention_backend)  # for flushes, catch-up and chain steps
         self.states: dict[str, MTPState] = {}
-        self.sync = None  # RankSync when a built-in MTP layer's experts are sharded over ranks
+        self.sync = None  # distributed.Lockstep when a built-in MTP layer's experts are sharded over ranks
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
@@ -96,6 +96,14 @@ class MTPSpeculator(Speculator):
             row += chunk.num_tokens
         if over:
             self.flush(over)
+
+    def needs_flush(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether `observe` will flush after a target forward over these (non-verify) chunks."""
+        limit = 1 + self.max_tokens
+        return any(self.state(c.seq).num_pending + c.num_tokens > limit for c in chunks)
+
+    def needs_catch_up(self, seqs: list[Sequence]) -> bool:
+        return any(self.lags(seq) for seq in seqs)
 
     def hold(self, chunk: ScheduledChunk, rows: torch.Tensor) -> bool:
         """Append a chunk's hidden states [n, M] to its request's pending ones; True when they
@@ -188,11 +196,10 @@ class MTPSpeculator(Speculator):
     def forward(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext | None = None) -> torch.Tensor:
         """MTP layer over a batch (writes its KV) -> hidden [T, M]."""
-        reuse_target = ctx is not None  # the verify re-run: the target's plan and hidden states
-        if ctx is None:
+        if ctx is None:  # else the verify re-run: the target's plan
             self.backend.plan(batch.attention_metadata())
             ctx = ForwardContext(self.backend, self.caches)
-        with self.sync.mtp(batch, token_ids, hidden, reuse_target) if self.sync else contextlib.nullcontext():
+        with self.sync.mtp(batch) if self.sync else contextlib.nullcontext():
             return self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
 
     def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
