@@ -47,7 +47,9 @@ def run_once(engine, args: argparse.Namespace) -> dict:
             decode_start, at_start = time.perf_counter(), sum(len(s.output_ids) for s in seqs)
     seconds = time.perf_counter() - decode_start
     tokens = sum(len(s.output_ids) for s in seqs) - at_start
-    return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens}
+    steps = sum(s.metrics.num_spec_steps for s in seqs)
+    accept = (sum(s.metrics.num_accepted_tokens for s in seqs) + steps) / steps if steps else None
+    return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens, "accept_length": accept}
 
 
 def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
@@ -82,7 +84,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for key, values in runs.items():
         rates = [v["decode_tokens_per_s"] for v in values]
-        out[key] = {"median_decode_tokens_per_s": statistics.median(rates), "runs": rates}
+        out[key] = {"median_decode_tokens_per_s": statistics.median(rates), "runs": rates,
+                    "accept_length": values[-1]["accept_length"]}
     for spec in {key.split("/")[0] for key in runs}:
         dp, rep = out[f"{spec}/dp"], out[f"{spec}/replicated"]
         out[f"{spec}/dp_over_replicated"] = dp["median_decode_tokens_per_s"] / rep["median_decode_tokens_per_s"]

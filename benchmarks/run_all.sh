@@ -48,3 +48,6 @@ $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deep
     --speculation '{"mode": "mtp", "num_speculative_tokens": 1}'
 $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-mtp2.json \
     --speculation '{"mode": "mtp", "num_speculative_tokens": 2}'
+# expert parallelism over 2 local ranks: data-parallel against replicated attention
+$PY benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 6 --spec none,mtp \
+    --out docs/bench/dp-attention.json

@@ -247,6 +247,8 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         if self.cluster is not None:  # rank 0: the owning rank frees the pages when the abort applies
+            if request_id not in self.sequences:  # finished already
+                return
             if self.cluster.abort(request_id) is not None:
                 self.sequences.pop(request_id, None)
             return

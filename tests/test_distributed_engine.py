@@ -40,17 +40,25 @@ def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True,
 
 
 def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
-    """Add each request at its arrival step; step until all are done -> (outputs, verify steps)."""
+    """Add each request at its arrival step; step until all are done -> (outputs, verify steps).
+    Also sets engine.peak_running (the most requests running at once over all ranks) and
+    engine.accept_length (over all requests, from their own metrics)."""
     from moespec.sampling import SamplingParams
     pending = sorted(enumerate(requests), key=lambda item: item[1][0])
-    seqs, step = {}, 0
+    seqs, step, engine.peak_running = {}, 0, 0
     while pending or engine.has_unfinished():
         while pending and pending[0][1][0] <= step:
             index, (_, prompt, max_tokens) = pending.pop(0)
             seqs[index] = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                     ignore_eos=True))
         engine.step()
+        loads = engine.rank_loads()
+        running = sum(load.running for load in loads) if loads else len(engine.scheduler.running)
+        engine.peak_running = max(engine.peak_running, running)
         step += 1
+    verify_steps = sum(s.metrics.num_spec_steps for s in seqs.values())
+    accepted = sum(s.metrics.num_accepted_tokens for s in seqs.values())
+    engine.accept_length = (accepted + verify_steps) / verify_steps if verify_steps else 0.0
     return [seqs[i].output_ids for i in range(len(requests))], engine.spec_stats.steps
 
 
@@ -70,19 +78,23 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
-                results.append((outputs, spec_steps, engine.stats.requests))
+                results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
+                                engine.accept_length))
             else:
                 engine.serve_forever()
-                results.append((None, engine.spec_stats.steps, engine.stats.requests))
+                results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0))
     finally:
         ranks.close()
     return results
 
 
-def expected_outputs(paths: dict, scenario: dict) -> list[list[int]]:
+def expected_outputs(paths: dict, scenario: dict, with_accept_length: bool = False):
+    """One process's greedy outputs (all requests at once, a cache as large as all ranks')."""
     from moespec.engine import Engine
     config = engine_config(paths, 1, scenario["spec"], num_kv_pages=scenario.get("num_kv_pages", 128) * 4)
-    return run_schedule(Engine(config), [(0, p, n) for _, p, n in scenario["requests"]])[0]
+    engine = Engine(config)
+    outputs = run_schedule(engine, [(0, p, n) for _, p, n in scenario["requests"]])[0]
+    return (outputs, engine.accept_length) if with_accept_length else outputs
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +110,11 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
     for result in results:
         assert result.error is None, result.error
     for i, s in enumerate(scenarios):
-        outputs, spec_steps, placed = results[0].value[i]
-        assert outputs == expected_outputs(paths, s), s
+        outputs, spec_steps, placed, _, accept_length = results[0].value[i]
+        expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
+        assert outputs == expected, s
+        if s["spec"].startswith("mtp"):  # no collapse of the accept length under DP (cf. SGLang #16274)
+            assert accept_length >= 0.9 * expected_accept, (s, accept_length, expected_accept)
         per_rank = [placed] + [r.value[i][2] for r in results[1:]]
         steps = [spec_steps] + [r.value[i][1] for r in results[1:]]
         if s.get("attention", "dp") == "dp":
@@ -150,6 +165,7 @@ def test_dp_kv_capacity_is_the_sum_over_ranks(paths):
     s = {"spec": "mtp1", "requests": requests, "num_kv_pages": 10, "max_num_seqs": 4}
     results = check_runs(paths, 2, [s])
     assert [r.value[0][2] for r in results] == [2, 2]
+    assert results[0].value[0][3] == 4  # all four ran at once
 
 
 def test_step_plan_from_reports():
