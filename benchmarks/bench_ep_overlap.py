@@ -6,9 +6,10 @@ step (2 * D tokens: D requests x (1 + k) with k = 1), over a modelled slow inter
 
 Each rank is a local process (gloo). The link model sleeps latency + bytes / bandwidth on the comm
 thread after every collective (see parallel/comm.py), so the sleep overlaps compute as a transfer
-on a NIC would. Four settings, {no link cost, link cost} x {sequential, microbatched}, take turns
-step by step; each reports the best step (least disturbed by other load on the machine) and the
-median, on rank 0.
+on a NIC would. For each exchange (--exchange uneven,fixed: counts + uneven all_to_all, or the
+fixed-capacity DeepEP low-latency layout, charged for the rows DeepEP would move), four settings,
+{no link cost, link cost} x {sequential, microbatched}, take turns step by step; each reports the
+best step (least disturbed by other load on the machine) and the median, on rank 0.
   hidden        = 1 - (microbatched with link - microbatched without) / link time slept (microbatched)
   vs sequential = 1 - (microbatched with link - sequential without)
                       / (sequential with link - sequential without): the end-to-end gain.
@@ -65,35 +66,42 @@ def verify_batch(requests: int, context: int, tokens_per_request: int) -> tuple[
     return qo, kv, indices, last, positions
 
 
-def time_step(model, cache: KVCache, runtime: EPRuntime, batch: tuple, ids: torch.Tensor) -> float:
+def time_step(model, cache: KVCache, runtime: EPRuntime, batch: tuple, ids: torch.Tensor,
+              low_latency: bool | None) -> float:
     qo, kv, indices, last, positions = batch
     backend = TorchPagedAttention()
     backend.plan(AttentionMetadata(qo, kv, indices, last, positions, PAGE_SIZE))
     runtime.stream.run("barrier", dist.barrier, runtime.ctx.ep_group)
     start = time.perf_counter()
-    with torch.no_grad(), runtime.step(qo):
+    with torch.no_grad(), runtime.step(qo.tolist(), low_latency):
         model.compute_logits(model(ids, positions, ForwardContext(backend, cache.layers)))
     return time.perf_counter() - start
 
 
 def bench_rank(rank: int, args: argparse.Namespace) -> dict:
-    """The four settings take turns step by step, so background load hits them alike."""
+    """The settings take turns step by step, so background load hits them alike."""
     ctx = init_parallel(ParallelSection(ep_size=args.ep_size, timeout_s=120))
     link = ThrottledCollectives(ctx, LinkModel())
-    runtime = EPRuntime(ctx, link)
+    capacity = -(-2 * args.requests // args.ep_size)  # this rank's share of the 2*D verify tokens
+    runtime = EPRuntime(ctx, link, max_tokens_per_rank=capacity)
     model = build_bench_model(bench_config(args), runtime)
     batch = verify_batch(args.requests, args.context, 2)
     cache = KVCache(model.kv_cache_spec(), int(batch[2].numel()), PAGE_SIZE, torch.float32)
     ids = torch.randint(0, model.config.vocab_size, batch[4].shape, generator=torch.Generator().manual_seed(2))
     slow = LinkModel(args.latency_ms / 1e3, args.bandwidth_gbs * 1e9)
-    settings = {"sequential": (LinkModel(), False), "microbatched": (LinkModel(), True),
-                "sequential+link": (slow, False), "microbatched+link": (slow, True)}
+    settings = {}
+    for exchange in args.exchange.split(","):
+        low_latency = {"uneven": None, "fixed": True}[exchange]
+        settings.update({f"{exchange}/sequential": (LinkModel(), False, low_latency),
+                         f"{exchange}/microbatched": (LinkModel(), True, low_latency),
+                         f"{exchange}/sequential+link": (slow, False, low_latency),
+                         f"{exchange}/microbatched+link": (slow, True, low_latency)})
     times = {name: [] for name in settings}
     injected = {name: 0.0 for name in settings}
     for step in range(args.steps + 2):  # the first two rounds warm up
-        for name, (link.link, runtime.microbatch) in settings.items():
+        for name, (link.link, runtime.microbatch, low_latency) in settings.items():
             before = link.injected_s
-            elapsed = time_step(model, cache, runtime, batch, ids)
+            elapsed = time_step(model, cache, runtime, batch, ids, low_latency)
             if step >= 2:
                 times[name].append(elapsed)
                 injected[name] += link.injected_s - before
@@ -103,11 +111,14 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict:
                    "link_ms_per_step": injected[name] / args.steps * 1e3} for name in settings}
 
 
-def summarize(r: dict) -> dict:
-    seq, mb = r["sequential"]["step_ms"], r["microbatched"]["step_ms"]
-    seq_link, mb_link = r["sequential+link"]["step_ms"], r["microbatched+link"]["step_ms"]
-    return {"hidden_of_microbatched_link_time": 1 - (mb_link - mb) / r["microbatched+link"]["link_ms_per_step"],
-            "hidden_vs_sequential": 1 - (mb_link - seq) / (seq_link - seq)}
+def summarize(r: dict, exchanges: list[str]) -> dict:
+    out = {}
+    for x in exchanges:
+        seq, mb = r[f"{x}/sequential"]["step_ms"], r[f"{x}/microbatched"]["step_ms"]
+        seq_link, mb_link = r[f"{x}/sequential+link"]["step_ms"], r[f"{x}/microbatched+link"]["step_ms"]
+        out[x] = {"hidden_of_microbatched_link_time": 1 - (mb_link - mb) / r[f"{x}/microbatched+link"]["link_ms_per_step"],
+                  "hidden_vs_sequential": 1 - (mb_link - seq) / (seq_link - seq)}
+    return out
 
 
 def main() -> None:
@@ -121,6 +132,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=2.0, help="modelled link latency per collective")
     parser.add_argument("--bandwidth-gbs", type=float, default=0.2, help="modelled link bandwidth, GB/s per rank")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--exchange", default="uneven,fixed",
+                        help="uneven (counts + all_to_all_single with splits) and/or fixed (DeepEP low-latency layout)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     outcomes = run_ranks(bench_rank, args.ep_size, args, timeout_s=600)
@@ -128,7 +141,8 @@ def main() -> None:
         if outcome.error:
             raise SystemExit(f"rank {outcome.rank} failed: {outcome.error}")
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "args": vars(args), "rank0": outcomes[0].value, **summarize(outcomes[0].value)}
+              "args": vars(args), "rank0": outcomes[0].value,
+              **summarize(outcomes[0].value, args.exchange.split(","))}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -95,6 +95,19 @@ def cuda_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     return out
 
 
+def batched_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [E, T, K] @ dequantized(weight [E, N, K])ᵀ -> [E, T, N]: every expert at once, one block
+    of 128 output features at a time (the fixed-capacity layout's masked grouped GEMM on CPU)."""
+    E, N, K = weight.shape
+    out = x.new_empty(E, x.shape[1], N)
+    column_scales = scale_inv.float().repeat_interleave(BLOCK, 2)[:, :, :K]  # [E, N/128, K]
+    for block in range(column_scales.shape[1]):
+        rows = slice(block * BLOCK, min((block + 1) * BLOCK, N))
+        slab = (weight[:, rows].float() * column_scales[:, block, None]).to(x.dtype)  # [E, <=128, K]
+        out[:, :, rows] = torch.bmm(x, slab.transpose(1, 2))
+    return out
+
+
 def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
                    pad_single_row: bool = False) -> torch.Tensor:
     """Rows of x [T, K] sorted by group, counts[e] rows for group e; weight [E, N, K] (FP8 with

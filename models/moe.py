@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.models.fp8 import BLOCK, expert_linear, grouped_linear, scale_shape
+from moespec.models.fp8 import BLOCK, batched_fp8_linear, expert_linear, grouped_linear, scale_shape
 from moespec.models.layers import linear
 from moespec.models.weights import WeightError
 
@@ -139,6 +139,18 @@ class LocalExperts(nn.Module):
         y = grouped_linear(F.silu(gate) * up, counts, self.w2, self.w2_scale_inv, pad)  # [P, M]
         weighted = y * topk_weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted)  # [T, M]
+
+    def forward_masked(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The fixed-capacity layout: x [L, N, M] holds each local expert's rows, the first
+        counts[e] valid -> unweighted outputs [L, N, M] (rows past a count are left as computed:
+        nobody reads them). Every expert runs all N rows, one batched matmul per projection, so
+        the shapes never depend on the counts and the host never reads them (on a GPU, DeepGEMM's
+        masked grouped GEMM skips the invalid rows)."""
+        if self.w13_scale_inv is not None:  # FP8 weights, block-scaled
+            gate, up = batched_fp8_linear(x, self.w13, self.w13_scale_inv).chunk(2, dim=-1)  # [L, N, I] each
+            return batched_fp8_linear(F.silu(gate) * up, self.w2, self.w2_scale_inv)  # [L, N, M]
+        gate, up = torch.bmm(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)  # [L, N, I] each
+        return torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [L, N, M]
 
     def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = expert_linear(x, self.w13, self.w13_scale_inv, local, self.pad_single_row).chunk(2, dim=-1)

@@ -13,7 +13,6 @@ from moespec.attention.base import AttentionMetadata
 from moespec.scheduler import ScheduledChunk
 
 Mode = Literal["prefill", "decode", "mixed", "verify", "draft_extend"]
-MODES: tuple[str, ...] = ("prefill", "decode", "mixed", "verify", "draft_extend")
 
 
 @dataclass
@@ -27,6 +26,8 @@ class Batch:
     kv_last_page_len: torch.Tensor  # [B]
     sample_indices: torch.Tensor  # [N] rows of T whose logits are sampled
     page_size: int
+    qo_bounds: tuple[int, ...] = ()  # the host's copy of qo_indptr: splits a batch without reading the device
+    host: "Batch | None" = None  # the batch as built on the host, once moved to a device
 
     @property
     def num_tokens(self) -> int:
@@ -40,34 +41,20 @@ class Batch:
         return page * self.page_size + self.positions % self.page_size
 
     def attention_metadata(self) -> AttentionMetadata:
+        host = self.host.attention_metadata() if self.host is not None else None
         return AttentionMetadata(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
-                                 self.positions, self.page_size)
+                                 self.positions, self.page_size, host=host)
 
     def to(self, device: str | torch.device) -> "Batch":
+        """The batch on `device`; it keeps the host original, so planning never copies back."""
+        if self.input_ids.device == torch.device(device):
+            return self
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device, non_blocking=True)
+        moved["host"] = self.host or self
         return Batch(**moved)
-
-    # One int64 buffer so ranks receive a step with a single broadcast.
-    TENSORS = ("input_ids", "positions", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "sample_indices")
-
-    def pack(self) -> torch.Tensor:
-        parts = [getattr(self, name) for name in self.TENSORS]
-        header = torch.tensor([MODES.index(self.mode), self.page_size] + [p.numel() for p in parts])
-        return torch.cat([torch.tensor([header.numel()]), header] + parts).to(torch.int64)
-
-    @classmethod
-    def unpack(cls, buffer: torch.Tensor) -> "Batch":
-        header_len = int(buffer[0])
-        header = buffer[1: 1 + header_len].tolist()
-        mode, page_size, sizes = MODES[header[0]], header[1], header[2:]
-        values, offset = {}, 1 + header_len
-        for name, size in zip(cls.TENSORS, sizes):
-            values[name] = buffer[offset: offset + size]
-            offset += size
-        return cls(mode=mode, page_size=page_size, **values)
 
 
 def build_batch(chunks: list[ScheduledChunk], page_size: int, mode: Mode) -> Batch:
@@ -102,7 +89,7 @@ def pack_spans(spans: list[Span], page_size: int, mode: Mode, sampled: list[bool
             sample += range(qo[-2], qo[-1])
         elif sampled[i]:
             sample.append(qo[-1] - 1)
-    # one host tensor, viewed as the batch's fields (in Batch.TENSORS order)
+    # one host tensor, viewed as the batch's fields (in field order)
     flat = torch.tensor(ids + positions + qo + kv + indices + last + sample, dtype=torch.int64)
     sizes = [len(part) for part in (ids, positions, qo, kv, indices, last, sample)]
-    return Batch(mode, *flat.split(sizes), page_size=page_size)
+    return Batch(mode, *flat.split(sizes), page_size=page_size, qo_bounds=tuple(qo))

@@ -62,6 +62,11 @@ class ParallelSection:
     # dp: each rank serves its own requests with its own KV cache; only MoE layers exchange tokens.
     # replicated: every rank runs every request's attention (one KV cache's worth for the group).
     attention: Literal["dp", "replicated"] = "dp"
+    # The exchange of decode and verify steps. fixed: DeepEP's low-latency layout (fixed capacity,
+    # masked grouped experts, no host read: what CUDA graphs need); uneven: counts + uneven
+    # all-to-all (computes only routed rows: cheaper on CPU). auto: fixed with deepep or on CUDA.
+    # Prefill and mixed steps always use the uneven exchange (DeepEP: normal mode).
+    moe_exchange: Literal["auto", "fixed", "uneven"] = "auto"
     moe_backend: Literal["torch", "deepep"] = "torch"
     microbatch: bool = False
     dist_backend: Literal["gloo", "nccl"] = "gloo"

@@ -100,8 +100,8 @@ def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
 class Lockstep:
     """This rank's part in each step's agreement and MoE-bearing forwards."""
 
-    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype) -> None:
-        self.ctx, self.runtime = ranks.ctx, ranks.runtime
+    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool) -> None:
+        self.ctx, self.runtime, self.fixed = ranks.ctx, ranks.runtime, fixed
         self.target_experts, self.mtp_experts, self.dtype = target_experts, mtp_experts, dtype
         self.plan: StepPlan | None = None
         self.mtp_done = 0  # MoE-bearing MTP forwards this step, own or joined
@@ -124,7 +124,7 @@ class Lockstep:
 
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:
-        with self.runtime.step(batch.qo_indptr, self.low_latency):
+        with self.runtime.step(batch.qo_bounds, self.low_latency):
             yield
 
     @contextlib.contextmanager
@@ -133,15 +133,16 @@ class Lockstep:
         if self.plan is not None and self.mtp_done > self.plan.mtp_before + self.plan.mtp_after:
             raise RuntimeError(f"rank {self.rank} ran MTP forward {self.mtp_done} of a step agreed to have "
                                f"{self.plan.mtp_before + self.plan.mtp_after}: the ranks would deadlock")
-        with self.runtime.step(batch.qo_indptr, self.low_latency):
+        with self.runtime.step(batch.qo_bounds, self.low_latency):
             yield
 
     @property
-    def low_latency(self) -> bool | None:
-        return None if self.plan is None else self.plan.decode
+    def low_latency(self) -> bool:
+        """The fixed-capacity exchange for this step's MoE layers: a decode step everywhere."""
+        return self.fixed and self.plan is not None and self.plan.decode
 
     def join_target(self) -> None:
-        self.runtime.join(self.target_experts, self.dtype)
+        self.runtime.join(self.target_experts, self.dtype, self.low_latency)
 
     def pad_mtp(self, count: int) -> None:
         """Join the others' MTP forwards until this step has run `count` of them."""
@@ -149,7 +150,7 @@ class Lockstep:
             return
         while self.mtp_done < count:
             self.mtp_done += 1
-            self.runtime.join(self.mtp_experts, self.dtype)
+            self.runtime.join(self.mtp_experts, self.dtype, self.low_latency)
 
 
 def ep_layers(module: torch.nn.Module) -> list:
@@ -178,6 +179,25 @@ class Ranks:
         destroy(self.ctx)
 
 
+def dispatch_capacity(config: EngineConfig) -> int:
+    """Tokens one rank sends in one fixed-capacity (low-latency) dispatch, at most: the largest
+    MoE-bearing forward of a decode or verify step on one rank. Verify and the MTP re-run carry
+    D x (1 + k) tokens; an MTP flush after a plain decode step up to D x (2 + k) (1 + k held
+    target hidden states and the new one)."""
+    spec = config.speculation
+    k = spec.num_speculative_tokens if spec.mode != "none" else 0
+    extra = 1 if spec.mode == "mtp" else 0
+    return config.scheduler.max_num_seqs * (1 + k + extra)
+
+
+def uses_fixed_exchange(config: EngineConfig) -> bool:
+    """parallel.moe_exchange, with auto resolved: fixed with DeepEP or on CUDA, uneven otherwise."""
+    p = config.parallel
+    if p.moe_exchange != "auto":
+        return p.moe_exchange == "fixed"
+    return p.moe_backend == "deepep" or str(config.model.device).startswith("cuda")
+
+
 def join_ranks(config: EngineConfig) -> Ranks | None:
     """Join the process group of a multi-rank launch (torchrun or slurm); None for one process."""
     if config.parallel.ep_size == 1:
@@ -189,10 +209,8 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
     if ctx.world_size != ctx.ep_size:
         raise ParallelError(f"world size {ctx.world_size} != parallel.ep_size {ctx.ep_size}: run one expert-parallel "
                             "group (one rank per GPU of the group)")
-    k = config.speculation.num_speculative_tokens if config.speculation.mode != "none" else 0
     runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, microbatch=config.parallel.microbatch,
-                        max_tokens_per_rank=config.scheduler.max_num_seqs * (1 + k),
-                        dp=config.parallel.attention == "dp")
+                        max_tokens_per_rank=dispatch_capacity(config), dp=config.parallel.attention == "dp")
     return Ranks(ctx, runtime, Channel.connect(ctx))
 
 

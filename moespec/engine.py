@@ -24,7 +24,7 @@ from moespec.batch import Batch, Span, build_batch, pack_spans
 from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
 from moespec.cluster import Abort, Add, Cluster
-from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers
+from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
 from moespec.kv_cache import PageAllocator
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
@@ -153,7 +153,7 @@ class Engine:
         mtp_all = ep_layers(self.model.mtp) if hasattr(self.model, "mtp") else []
         target_layers = [m for m in ep_layers(self.model) if not any(m is t for t in mtp_all)]
         mtp_layers = mtp_all if builtin_mtp else []
-        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype)
+        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, uses_fixed_exchange(self.config))
         self.runner.sync = self.lockstep
         if builtin_mtp:
             self.speculator.sync = self.lockstep

@@ -51,7 +51,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
         reserve_rope_positions(model, num_pages * page_size)  # every position the cache can hold
-        self.backend = create_backend(attention_backend)
+        self.backend = create_backend(attention_backend, self.device)
         self.sync = None  # distributed.Lockstep when experts are sharded over ranks
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()

@@ -218,7 +218,7 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
         components.append(Component("MTP state", mtp_state_bytes(sched.max_num_seqs, k, model_config.hidden_size,
                                                                  dtype),
                                     "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
-    components += deepep_components(config, model_config, k)
+    components += deepep_components(config, model_config)
     sampled = sched.max_num_seqs * (1 + k)
     dp = config.parallel.attention == "dp" and config.parallel.ep_size > 1
     components.append(Component("activations", activation_bytes(model_config, sched.max_num_batched_tokens,
@@ -250,11 +250,13 @@ def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, t
     return None
 
 
-def deepep_components(config: EngineConfig, model_config, k: int) -> list[Component]:
+def deepep_components(config: EngineConfig, model_config) -> list[Component]:
     p = config.parallel
     if p.moe_backend != "deepep" or p.ep_size == 1 or model_config.model_type != "deepseek_v3":
         return []
-    tokens = config.scheduler.max_num_seqs * (1 + k)  # EPRuntime.max_tokens_per_rank
+    from moespec.distributed import dispatch_capacity
+
+    tokens = dispatch_capacity(config)  # EPRuntime.max_tokens_per_rank
     M, E = model_config.hidden_size, model_config.n_routed_experts
     return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
                       f"LowLatencyLayout for {tokens} tokens per rank x {E} experts x hidden {M}"),

@@ -43,8 +43,20 @@ class Collectives:
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
         return recv
 
+    def all_to_all_fixed(self, send: torch.Tensor, wire_bytes: Callable[[], int] | None = None) -> torch.Tensor:
+        """send [G * n, ...] (n rows for each rank, in rank order) -> [G * n, ...] (n from each):
+        equal splits, so no counts are needed and nothing is read on the host. `wire_bytes`: what
+        DeepEP would move for it (valid rows only; a modelled link charges that, not the padding)."""
+        if self.size == 1:
+            return send
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.group)
+        return recv
+
     def all_gather(self, part: torch.Tensor) -> torch.Tensor:
         """part [n, ...] (same n on every rank) -> [G * n, ...] in rank order."""
+        if self.size == 1:
+            return part
         out = part.new_empty((self.size * part.shape[0], *part.shape[1:]))
         dist.all_gather_into_tensor(out, part.contiguous(), group=self.group)
         return out
@@ -85,6 +97,12 @@ class ThrottledCollectives(Collectives):
         recv = super().all_to_all(send, send_counts, recv_counts)
         rank = self.ctx.ep_rank  # the busier direction of this rank's port sets the time
         self.wait_link(max(remote_bytes(send, send_counts, rank), remote_bytes(recv, recv_counts, rank)))
+        return recv
+
+    def all_to_all_fixed(self, send: torch.Tensor, wire_bytes: Callable[[], int] | None = None) -> torch.Tensor:
+        recv = super().all_to_all_fixed(send)
+        padded = send.numel() * send.element_size() * (self.size - 1) // self.size
+        self.wait_link(wire_bytes() if wire_bytes is not None else padded)  # read on the comm thread
         return recv
 
     def all_gather(self, part: torch.Tensor) -> torch.Tensor:

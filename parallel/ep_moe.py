@@ -18,14 +18,16 @@ M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, e
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
 from moespec.models.moe import LocalExperts
 from moespec.parallel.comm import Collectives, CommStream
+from moespec.parallel.exchange import DeepEPExchange, GlooExchange
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -34,11 +36,11 @@ SharedExperts = Callable[[torch.Tensor], torch.Tensor] | None
 
 # ---------------------------------------------------------------------------------- the step
 
-def split_point(qo_indptr: torch.Tensor) -> int:
+def split_point(bounds: Sequence[int]) -> int:
     """The request boundary nearest the middle of the batch: each request's tokens stay in one half.
-    qo_indptr [B+1]. Depends only on the batch, so every rank that sees the batch agrees."""
-    total = int(qo_indptr[-1])
-    bounds = qo_indptr.tolist()
+    bounds: the host's copy of qo_indptr [B+1] (`Batch.qo_bounds`: read on the host, not from the
+    device). Depends only on the batch, so every rank that sees the batch agrees."""
+    total = bounds[-1]
     return min(bounds, key=lambda b: (abs(2 * b - total), b))
 
 
@@ -53,23 +55,42 @@ class EPRuntime:
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
         self.split: int | None = None
-        self.low_latency: bool | None = None  # DeepEP's mode, agreed by all ranks for the step
+        self.low_latency: bool | None = None  # the fixed-capacity exchange, agreed by all ranks for the step
         self.active = False
+        self.fixed = None  # the fixed-capacity exchange (parallel/exchange.py), built on first use
+        self.buffer, self.buffer_mode = None, None  # DeepEP: one Buffer per process
 
     @contextmanager
-    def step(self, qo_indptr: torch.Tensor | None = None, low_latency: bool | None = None) -> Iterator[None]:
-        """Run one forward; with microbatching on and request boundaries given, MoE layers split
-        the batch in two at `split_point(qo_indptr)`. Both halves always run, empty or not, so
-        every rank issues the same collectives whatever its own batch. `low_latency`: DeepEP's
-        mode when ranks' batches differ (data-parallel attention), decided by all of them."""
+    def step(self, qo_bounds: Sequence[int] | None = None, low_latency: bool | None = None) -> Iterator[None]:
+        """Run one forward; with microbatching on and request boundaries given (host ints), MoE
+        layers split the batch in two at `split_point(qo_bounds)`. Both halves always run, empty or
+        not, so every rank issues the same collectives whatever its own batch. `low_latency`: the
+        fixed-capacity exchange (decode and verify steps), decided by all ranks; otherwise the
+        uneven one (torch) or DeepEP's normal mode."""
         if self.active:
             raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
         self.active, self.low_latency = True, low_latency
-        self.split = split_point(qo_indptr) if self.microbatch and qo_indptr is not None else None
+        self.split = split_point(qo_bounds) if self.microbatch and qo_bounds is not None else None
         try:
             yield
         finally:
             self.active, self.split, self.low_latency = False, None, None
+
+    def exchange(self, num_experts: int):
+        """The fixed-capacity exchange every layer shares (DeepEP's kernels, or fixed all-to-alls)."""
+        if self.fixed is None:
+            cls = DeepEPExchange if self.backend == "deepep" else GlooExchange
+            self.fixed = cls(self, num_experts, self.max_tokens_per_rank)
+        return self.fixed
+
+    def deepep_buffer(self, hidden: int, num_experts: int, low_latency: bool):
+        """The one DeepEP Buffer of this process; its low-latency area is cleaned after normal-mode use."""
+        if self.buffer is None:
+            self.buffer = build_deepep_buffer(self, hidden, num_experts)
+        if low_latency and self.buffer_mode == "normal":
+            self.buffer.clean_low_latency_buffer(self.max_tokens_per_rank, hidden, num_experts)
+        self.buffer_mode = "low_latency" if low_latency else "normal"
+        return self.buffer
 
     def rows_of(self, num_tokens: int) -> tuple[int, int]:
         """Rows [lo, hi) of a batch of num_tokens this rank dispatches: all of its own under
@@ -82,10 +103,11 @@ class EPRuntime:
         """Combined rows of this rank [hi - lo, M] -> the batch's [T, M] (all-gathered when replicated)."""
         return shard if self.dp else gather_shards(self.collectives, shard, num_tokens)
 
-    def join(self, experts: list["EPExperts"], dtype: torch.dtype) -> None:
-        """A forward this rank has no tokens for: run each MoE layer's collectives with zero rows,
-        so the ranks that do have tokens are not left waiting (data-parallel attention)."""
-        with self.step(torch.zeros(1, dtype=torch.int64), self.low_latency):
+    def join(self, experts: list["EPExperts"], dtype: torch.dtype, low_latency: bool | None = None) -> None:
+        """A forward this rank has no tokens for: run each MoE layer's collectives with zero rows
+        (through the exchange the others use), so the ranks that do have tokens are not left
+        waiting (data-parallel attention)."""
+        with self.step((0,), low_latency):
             for layer in experts:
                 hidden, top_k = layer.w2.shape[1], layer.top_k
                 layer.forward_with_shared(torch.zeros(0, hidden, dtype=dtype),
@@ -150,10 +172,47 @@ class EPExperts(LocalExperts):
     def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             shared: SharedExperts) -> torch.Tensor:
         """Routed (+ shared) expert output [T, M]; the shared experts run where they hide communication."""
+        if self.runtime.low_latency:
+            return self.forward_low_latency(x, topk_ids, topk_weights, shared)
         split = self.runtime.split
         if split is None:
             return self.forward_sequential(x, topk_ids, topk_weights, shared)
         return self.forward_microbatched(x, topk_ids, topk_weights, split, shared)
+
+    def forward_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            shared: SharedExperts = None) -> torch.Tensor:
+        """Decode and verify: the fixed-capacity exchange (parallel/exchange.py), no host read.
+        Every half's dispatch is sent first; each half is then received (DeepEP: its hook), run
+        through the masked grouped experts and combined while the other is still in flight."""
+        split, T = self.runtime.split, x.shape[0]
+        halves = [slice(0, T)] if split is None else [slice(0, split), slice(split, T)]
+        rows = [self.shard_of(h) for h in halves]  # this rank's rows of each half
+        exchange = self.runtime.exchange(self.num_experts)
+        sent = [exchange.dispatch(x[r], topk_ids[r]) for r in rows]
+        shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
+        combined = []
+        for r, pending in zip(rows, sent):
+            received = pending.wait()
+            y = self.forward_masked(received.x, received.counts)  # [L, G*C, M]
+            combined.append(exchange.combine(y, topk_ids[r], topk_weights[r], received))
+        if shared is not None:
+            shared_out += [shared(x[h]) for h in halves[1:]]  # hides the last combine
+        out = self.gather_halves(torch.cat([c.wait() for c in combined]), halves)  # [T, M]
+        return out + torch.cat(shared_out) if shared is not None else out
+
+    def shard_of(self, half: slice) -> slice:
+        """This rank's rows of one half, as absolute rows of the batch."""
+        lo, hi = self.runtime.rows_of(half.stop - half.start)
+        return slice(half.start + lo, half.start + hi)
+
+    def gather_halves(self, rows_out: torch.Tensor, halves: list[slice]) -> torch.Tensor:
+        """This rank's rows of every half [sum Ts, M] -> the batch [T, M] (gathered when replicated)."""
+        outs, start = [], 0
+        for h in halves:
+            lo, hi = self.runtime.rows_of(h.stop - h.start)
+            outs.append(self.runtime.gather(rows_out[start: start + hi - lo], h.stop - h.start))
+            start += hi - lo
+        return torch.cat(outs)
 
     def forward_sequential(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                            shared: SharedExperts = None) -> torch.Tensor:
@@ -201,7 +260,7 @@ class EPExperts(LocalExperts):
         """topk_ids [Ts, A] -> (token row, destination rank) of each row to send, grouped by rank."""
         G = self.runtime.ctx.ep_size
         dest = topk_ids // self.num_local  # [Ts, A]
-        hits = torch.zeros(topk_ids.shape[0], G, dtype=torch.bool)
+        hits = torch.zeros(topk_ids.shape[0], G, dtype=torch.bool, device=topk_ids.device)
         hits.scatter_(1, dest, True)  # [Ts, G] token needs rank g
         rank, token = hits.t().nonzero(as_tuple=True)  # rank-major: grouped by destination
         return token, rank
@@ -257,50 +316,27 @@ def unpack_rows(payload: torch.Tensor, hidden: int, top_k: int,
 # ------------------------------------------------------------------------- DeepEP backend
 
 class DeepEPExperts(EPExperts):
-    """DeepEP V1 API (`from deep_ep import Buffer`): normal mode for shards larger than the
-    low-latency budget (prefill), low-latency mode otherwise (decode/verify), with
-    `return_recv_hook` so two microbatches overlap. Needs CUDA, NVSHMEM and a DeepEP build; it
-    has not run on this project's CPU machines. Each rank dispatches its rows, as in the torch
-    backend (under replicated attention the shards are all-gathered over torch.distributed).
-    Under data-parallel attention every rank must pick the same mode although its batch is its
-    own: the step's agreed `runtime.low_latency` decides."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime, top_k: int) -> None:
-        super().__init__(num_experts, hidden, intermediate, runtime, top_k)
-        self.buffers: dict[str, object] = {}
-
-    def buffer(self, mode: Literal["normal", "low_latency"]):
-        if mode not in self.buffers:
-            self.buffers[mode] = build_deepep_buffer(self.runtime, self.w2.shape[1], self.num_experts, mode)
-        return self.buffers[mode]
+    """DeepEP V1 API (`from deep_ep import Buffer`) on the process's one Buffer: low-latency
+    kernels for decode and verify steps (`DeepEPExchange`, through `forward_low_latency` like the
+    torch backend), normal mode for prefill. Needs CUDA, NVSHMEM and a DeepEP build; it has not
+    run on this project's CPU machines. Under data-parallel attention every rank must pick the
+    same mode although its batch is its own: the step's agreed `runtime.low_latency` decides."""
 
     def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             shared: SharedExperts) -> torch.Tensor:
-        split = self.runtime.split
-        halves = [slice(0, x.shape[0])] if split is None else [slice(0, split), slice(split, x.shape[0])]
-        if not self.runtime.dp:  # every rank holds the same batch, so all skip the same empty halves
-            halves = [h for h in halves if h.stop > h.start]
-            if not halves:
-                return x.new_zeros(x.shape)
-        shards = [self.shard_of(h) for h in halves]
+        rows = self.shard_of(slice(0, x.shape[0]))
         low_latency = self.runtime.low_latency
-        if low_latency is None:
-            low_latency = max(s.stop - s.start for s in shards) <= self.runtime.max_tokens_per_rank
-        if not low_latency:
-            out = torch.cat([self.run_normal(x[s], topk_ids[s], topk_weights[s]) for s in shards])
-        else:
-            out = self.run_low_latency(x, topk_ids, topk_weights, shards)
-        out = self.gather_halves(out, halves)
+        if low_latency is None:  # no agreement (replicated batches): decide by this rank's share
+            low_latency = rows.stop - rows.start <= self.runtime.max_tokens_per_rank
+        if low_latency:
+            return self.forward_low_latency(x, topk_ids, topk_weights, shared)
+        out = self.runtime.gather(self.run_normal(x[rows], topk_ids[rows], topk_weights[rows]), x.shape[0])
         return out + shared(x) if shared is not None else out
 
-    def shard_of(self, half: slice) -> slice:
-        """This rank's rows of one half, as absolute rows of the batch."""
-        lo, hi = self.runtime.rows_of(half.stop - half.start)
-        return slice(half.start + lo, half.start + hi)
-
     def run_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted) -> combine."""
-        buf, ids = self.buffer("normal"), topk_ids.long()
+        """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted)
+        -> combine. The host waits for the receive counts here: prefill is not captured."""
+        buf, ids = self.runtime.deepep_buffer(x.shape[1], self.num_experts, low_latency=False), topk_ids.long()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
@@ -309,56 +345,27 @@ class DeepEPExperts(EPExperts):
         combined, _, _ = buf.combine(y, handle)
         return combined  # [Ts, M]
 
-    def run_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        shards: list[slice]) -> torch.Tensor:
-        """Decode/verify: send every shard's dispatch first; receive (hook) and compute one while
-        the other is still in flight; combines likewise. At most two results live (two buffers)."""
-        buf, budget = self.buffer("low_latency"), self.runtime.max_tokens_per_rank
-        sent = [buf.low_latency_dispatch(x[s], topk_ids[s].long(), budget, self.num_experts, use_fp8=False,
-                                         return_recv_hook=True) for s in shards]
-        combines = []
-        for s, (recv_x, recv_count, handle, _, hook) in zip(shards, sent):
-            hook()  # receive this shard's tokens
-            y = self.compute_low_latency(recv_x, recv_count)
-            combines.append(buf.low_latency_combine(y, topk_ids[s].long(), topk_weights[s].float(), handle,
-                                                    return_recv_hook=True))
-        outs = []
-        for combined, _, hook in combines:
-            hook()
-            outs.append(combined)
-        return torch.cat(outs)  # [sum Ts, M]
 
-    def compute_low_latency(self, recv_x: torch.Tensor, recv_count: torch.Tensor) -> torch.Tensor:
-        """recv_x [L, G * budget, M], only the first recv_count[e] rows of expert e valid -> same shape
-        (unweighted: low_latency_combine applies the gate weights)."""
-        out = torch.zeros_like(recv_x)
-        for local, count in enumerate(recv_count.tolist()):
-            if count:
-                out[local, :count] = self.run_expert(local, recv_x[local, :count])
-        return out
-
-    def gather_halves(self, shard_out: torch.Tensor, halves: list[slice]) -> torch.Tensor:
-        outs, start = [], 0
-        for h in halves:
-            lo, hi = self.runtime.rows_of(h.stop - h.start)
-            outs.append(self.runtime.gather(shard_out[start: start + hi - lo], h.stop - h.start))
-            start += hi - lo
-        return torch.cat(outs)
-
-
-def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int, mode: str):
+def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
+    """The process's one DeepEP Buffer, shared by every MoE layer (the MTP layer's too) and by
+    both modes: low-latency RDMA bytes for `max_tokens_per_rank` tokens, normal-mode NVLink/RDMA
+    bytes by DeepEP's hints, one queue pair per local expert (at least DeepEP's default 24 for
+    normal mode), and NVSHMEM's queue depth raised to what that many tokens need. A second
+    low-latency Buffer in one process trips DeepEP's `cpu_rdma_team` assertion."""
     try:
         from deep_ep import Buffer  # optional: built from source, see docs/expert-parallel.md
     except ImportError as error:
         raise ParallelError("parallel.moe_backend 'deepep' needs DeepEP built from source "
                             "(github deepseek-ai/DeepEP; the PyPI deep-ep package cannot compile); "
                             "use moe_backend 'torch' otherwise") from error
-    group, size = runtime.ctx.ep_group, runtime.ctx.ep_size
-    if mode == "low_latency":
-        budget = runtime.max_tokens_per_rank
-        rdma = Buffer.get_low_latency_rdma_size_hint(budget, hidden, size, num_experts)
-        return Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=num_experts // size)
+    group, size, budget = runtime.ctx.ep_group, runtime.ctx.ep_size, runtime.max_tokens_per_rank
+    depth = 2 * (budget + 1)  # DeepEP asserts nvshmem_qp_depth >= (tokens + 1) * 2 (default depth 1024)
+    if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < depth:
+        os.environ["NVSHMEM_QP_DEPTH"] = str(depth)  # read when NVSHMEM starts, inside the Buffer
+    rdma = Buffer.get_low_latency_rdma_size_hint(budget, hidden, size, num_experts)
     configs = (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size))
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, size) for c in configs)  # bf16 rows
-    rdma_bytes = max(c.get_rdma_buffer_size_hint(hidden * 2, size) for c in configs) if size > 8 else 0
-    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
+    if size > 8:
+        rdma = max([rdma] + [c.get_rdma_buffer_size_hint(hidden * 2, size) for c in configs])
+    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma, low_latency_mode=True,
+                  num_qps_per_rank=max(num_experts // size, 24))

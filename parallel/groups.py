@@ -113,6 +113,8 @@ def init_parallel(config: ParallelSection, env: Mapping[str, str] | None = None)
         return single_process_context(config)
     check_layout(config, launch.world_size)
     device = device_for(config, launch.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA allocation (NCCL's, DeepEP's, the model's)
     timeout = datetime.timedelta(seconds=config.timeout_s)
     try:
         dist.init_process_group(config.dist_backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

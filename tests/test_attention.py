@@ -81,16 +81,6 @@ def test_paged_attention_matches_direct_computation(mla):
             offset += q_len
 
 
-def test_batch_pack_roundtrip():
-    from moespec.batch import Batch
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    batch = Batch("decode", t([5, 6]), t([3, 9]), t([0, 1, 2]), t([0, 1, 3]), t([4, 7, 2]), t([4, 2]), t([0, 1]), 4)
-    again = Batch.unpack(batch.pack())
-    assert again.mode == "decode" and again.page_size == 4
-    for name in Batch.TENSORS:
-        assert torch.equal(getattr(batch, name), getattr(again, name))
-
-
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("lengths", [[7], [8], [5, 12, 1]])
 @pytest.mark.parametrize("Q", [1, 3])

@@ -1,7 +1,9 @@
 """The engine across ranks: every rank runs its own engine and the same step; rank 0 places the
 requests. Greedy output equals one process token for token, under data-parallel attention
 (requests spread over the ranks, arriving and finishing at different steps, ranks left idle)
-and under replicated attention, with no speculation, MTP k=1 and k=2 and draft-target."""
+and under replicated attention, with no speculation, MTP k=1 and k=2 and draft-target; decode
+and verify steps through the fixed-capacity exchange (DeepEP's low-latency layout), and in one
+scenario each through the uneven one."""
 import pytest
 
 from moespec.config import build_config
@@ -27,7 +29,7 @@ SPEC = {
 
 
 def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
-                  num_kv_pages: int = 128, max_num_seqs: int = 64):
+                  num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed"):
     speculation = dict(SPEC[spec])
     if spec == "draft":
         speculation["draft_model"] = paths["draft"]
@@ -36,7 +38,7 @@ def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True,
                          "scheduler": {"max_num_seqs": max_num_seqs},
                          "speculation": speculation,
                          "parallel": {"ep_size": ep_size, "microbatch": microbatch, "timeout_s": 30,
-                                      "attention": attention}})
+                                      "attention": attention, "moe_exchange": exchange}})
 
 
 def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
@@ -63,8 +65,9 @@ def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
 
 
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
-    """Every scenario on the same ranks: rank 0 returns (outputs, verify steps), the others the
-    number of requests they ran and their own verify steps."""
+    """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
+    requests it ran, most requests running at once, accept length), the others (None, their
+    verify steps, requests they ran, 0, 0.0); last, whether the fixed-capacity exchange ran."""
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
@@ -72,7 +75,7 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     try:
         for s in scenarios:
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
-                                   s.get("num_kv_pages", 128), s.get("max_num_seqs", 64))
+                                   s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"))
             ranks.runtime.microbatch, ranks.runtime.dp = config.parallel.microbatch, config.parallel.attention == "dp"
             engine = Engine(config, ranks=ranks)
             if ranks.ctx.leader:
@@ -83,6 +86,7 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
             else:
                 engine.serve_forever()
                 results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0))
+        results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
     return results
@@ -109,6 +113,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
     results = run_ranks(rank_main, ep_size, paths, ep_size, scenarios, timeout_s=timeout_s)
     for result in results:
         assert result.error is None, result.error
+        assert result.value[-1], "no decode step used the fixed-capacity exchange"
     for i, s in enumerate(scenarios):
         outputs, spec_steps, placed, _, accept_length = results[0].value[i]
         expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
@@ -134,6 +139,7 @@ def test_dp_attention_ep2_matches_one_process(paths):
     check_runs(paths, 2, [
         {"spec": "none", "requests": STAGGERED},
         {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "mtp2", "requests": STAGGERED, "exchange": "uneven"},
         {"spec": "mtp1", "requests": TOGETHER, "microbatch": False},
         {"spec": "mtp2", "requests": STAGGERED},
         {"spec": "mtp2", "requests": ALONE},
@@ -146,6 +152,7 @@ def test_dp_attention_ep4_matches_one_process(paths):
     check_runs(paths, 4, [
         {"spec": "none", "requests": TOGETHER},
         {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "mtp1", "requests": STAGGERED, "exchange": "uneven"},
         {"spec": "mtp2", "requests": TOGETHER, "microbatch": False},
         {"spec": "draft", "requests": TOGETHER},
     ])
@@ -154,7 +161,7 @@ def test_dp_attention_ep4_matches_one_process(paths):
 def test_replicated_attention_matches_one_process(paths):
     check_runs(paths, 2, [
         {"spec": "mtp2", "requests": STAGGERED, "attention": "replicated"},
-        {"spec": "none", "requests": TOGETHER, "attention": "replicated", "microbatch": False},
+        {"spec": "none", "requests": TOGETHER, "attention": "replicated", "microbatch": False, "exchange": "uneven"},
     ])
 
 

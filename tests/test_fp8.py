@@ -54,6 +54,30 @@ def test_grouped_fp8_gemm_equals_each_experts_matmul():
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_masked_fp8_experts_equal_each_experts_matmul():
+    """The fixed-capacity layout [E, N, K] through FP8 experts: every row of every expert equals
+    that expert's own (dequantized) two projections."""
+    from moespec.models.moe import LocalExperts
+    torch.manual_seed(0)
+    experts = LocalExperts(3, 128, 128)
+    plain = LocalExperts(3, 128, 128)
+    for name in ("w13", "w2"):
+        weight = getattr(experts, name).data
+        pairs = [quantize_fp8_block(w) for w in weight]
+        getattr(plain, name).data.copy_(torch.stack([dequantize_fp8_block(q, s, torch.float32) for q, s in pairs]))
+    experts.to_fp8()
+    for name in ("w13", "w2"):
+        pairs = [quantize_fp8_block(w) for w in getattr(plain, name).data]
+        getattr(experts, name).data.copy_(torch.stack([p[0] for p in pairs]))
+        getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([p[1] for p in pairs]))
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(1))
+    got = experts.forward_masked(x, torch.tensor([5, 0, 2]))
+    expected = plain.forward_masked(x, torch.tensor([5, 0, 2]))
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    for e in range(3):
+        assert torch.allclose(got[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- a model kept in FP8
 
 

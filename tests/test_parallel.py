@@ -42,7 +42,7 @@ def reference(checkpoint):
 
 
 def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, runtime: EPRuntime | None,
-                         page_size: int = 4) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                         page_size: int = 4, low_latency: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each prompt's target logits [L, V] and MTP logits [L, V] (MTP fed token i+1 at position i),
     all requests batched per step in chunks of `chunk` tokens each."""
     allocator = PageAllocator(64, page_size)
@@ -55,7 +55,7 @@ def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, run
         backend = TorchPagedAttention()
         backend.plan(meta)
         ctx = ForwardContext(backend, cache.layers)
-        with torch.no_grad(), (runtime.step(meta.qo_indptr) if runtime else contextlib.nullcontext()):
+        with torch.no_grad(), (runtime.step(meta.qo_indptr.tolist(), low_latency) if runtime else contextlib.nullcontext()):
             hidden = model(ids, meta.positions, ctx)
             logits = model.compute_logits(hidden)
             mtp_logits = model.compute_mtp_logits(0, model.forward_mtp(0, nxt, hidden, meta.positions, ctx))
@@ -87,7 +87,7 @@ def build_step(prompts: list[list[int]], pages: list[list[int]], done: list[int]
 
 
 def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0,
-            die: bool = False, hang: bool = False, timeout_s: float = 20) -> dict:
+            die: bool = False, hang: bool = False, timeout_s: float = 20, low_latency: bool | None = None) -> dict:
     ctx = init_parallel(ParallelSection(ep_size=ep_size, microbatch=microbatch, timeout_s=timeout_s))
     link = ThrottledCollectives(ctx, LinkModel(latency_s, 1e9)) if latency_s else None
     runtime = EPRuntime(ctx, link, microbatch=microbatch)
@@ -98,7 +98,9 @@ def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool, latency_
         time.sleep(3 * timeout_s)  # a stuck rank: alive, silent
     start = time.monotonic()
     try:
-        return {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime) for chunk in CHUNKS}
+        # the fixed-capacity exchange takes at most max_tokens_per_rank (256) tokens per rank: every chunk fits
+        return {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime, low_latency=low_latency)
+                for chunk in CHUNKS}
     except ParallelError as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     finally:
@@ -110,16 +112,20 @@ def max_error(got: tuple, want: tuple) -> float:
     return max((g - w).abs().max().item() for gs, ws in zip(got, want) for g, w in zip(gs, ws))
 
 
-def run_ep(checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0) -> list[dict]:
-    outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, microbatch, latency_s, timeout_s=50)
+def run_ep(checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0,
+           low_latency: bool | None = None) -> list[dict]:
+    outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, microbatch, latency_s, False, False, 20, low_latency,
+                         timeout_s=50)
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
     return [outcome.value for outcome in outcomes]
 
 
-@pytest.mark.parametrize("ep_size,microbatch,latency_s", [(2, False, 0.0), (2, True, 0.002), (4, True, 0.0)])
-def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s):
-    ranks = run_ep(checkpoint, ep_size, microbatch, latency_s)
+@pytest.mark.parametrize("ep_size,microbatch,latency_s,low_latency", [
+    (2, False, 0.0, None), (2, True, 0.002, None), (4, True, 0.0, None),  # the uneven exchange
+    (2, True, 0.002, True), (4, False, 0.0, True)])  # the fixed-capacity exchange
+def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s, low_latency):
+    ranks = run_ep(checkpoint, ep_size, microbatch, latency_s, low_latency)
     for chunk in CHUNKS:
         for values in ranks:  # every rank ends with the full batch's logits
             error = max_error(values[chunk], reference[chunk])
@@ -150,10 +156,10 @@ def test_stuck_rank_fails_peers_after_timeout(checkpoint):
 
 
 def test_split_point_keeps_requests_whole():
-    assert split_point(torch.tensor([0, 2, 4, 6, 8])) == 4  # 2 * D verify tokens: D requests per half
-    assert split_point(torch.tensor([0, 1, 5])) == 1
-    assert split_point(torch.tensor([0, 7])) in (0, 7)  # one request: one half is empty
-    assert split_point(torch.tensor([0])) == 0
+    assert split_point([0, 2, 4, 6, 8]) == 4  # 2 * D verify tokens: D requests per half
+    assert split_point((0, 1, 5)) == 1
+    assert split_point([0, 7]) in (0, 7)  # one request: one half is empty
+    assert split_point([0]) == 0
 
 
 def test_launch_env_torchrun_and_slurm():
@@ -187,7 +193,7 @@ def test_ep2_config_loads():
             config.parallel.dist_backend) == (2, "torch", True, "gloo")
 
 
-def dp_experts_rank(rank: int, microbatch: bool) -> list[float]:
+def dp_experts_rank(rank: int, microbatch: bool, low_latency: bool | None) -> list[float]:
     """Data-parallel attention: each rank's own rows (rank 1 has none; rank 2 has one) through the
     EP experts; the error against the same experts run locally over those rows."""
     from moespec.models.moe import LocalExperts
@@ -208,7 +214,7 @@ def dp_experts_rank(rank: int, microbatch: bool) -> list[float]:
                 torch.zeros(0, 2, dtype=torch.int64)
             weights = torch.rand(n, 2, generator=gen)
             qo = torch.tensor([0, n // 2, n])
-            with runtime.step(qo):
+            with runtime.step(qo.tolist(), low_latency):
                 got = experts.forward_with_shared(x, ids, weights, None)
             errors.append((got - full(x, ids, weights)).abs().max().item() if n else float(got.shape[0]))
         runtime.join([experts], torch.float32)  # every rank without work: the empty joins pair up
@@ -218,9 +224,9 @@ def dp_experts_rank(rank: int, microbatch: bool) -> list[float]:
     return errors
 
 
-@pytest.mark.parametrize("microbatch", [False, True])
-def test_dp_experts_each_rank_gets_its_own_rows_back(microbatch):
-    outcomes = run_ranks(dp_experts_rank, 3, microbatch, timeout_s=60)
+@pytest.mark.parametrize("microbatch,low_latency", [(False, None), (True, None), (False, True), (True, True)])
+def test_dp_experts_each_rank_gets_its_own_rows_back(microbatch, low_latency):
+    outcomes = run_ranks(dp_experts_rank, 3, microbatch, low_latency, timeout_s=60)
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
         assert max(outcome.value) < 1e-5, outcome.value
@@ -229,7 +235,9 @@ def test_dp_experts_each_rank_gets_its_own_rows_back(microbatch):
 def test_deepep_backend_without_deepep_says_what_to_install():
     if importlib.util.find_spec("deep_ep") is not None:
         pytest.skip("DeepEP is installed here")
-    experts = DeepEPExperts(8, 16, 8, fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu"))), 2)
+    runtime = fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu")))
+    runtime.buffer, runtime.max_tokens_per_rank = None, 64
+    experts = DeepEPExperts(8, 16, 8, runtime, 2)
     assert (experts.first, experts.num_local) == (0, 4)
     with pytest.raises(ParallelError, match="DeepEP built from source"):
-        experts.buffer("low_latency")
+        runtime.deepep_buffer(16, 8, low_latency=True)

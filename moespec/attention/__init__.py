@@ -1,4 +1,6 @@
 """Attention backends: `torch` (reference, any device) and `flashinfer` (CUDA)."""
+import torch
+
 from moespec.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, LayerKV
 from moespec.attention.torch_backend import DenseCausalAttention, TorchPagedAttention
 
@@ -6,10 +8,11 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "LayerKV",
            "DenseCausalAttention", "create_backend"]
 
 
-def create_backend(name: str) -> AttentionBackend:
+def create_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
+    """`device`: the model's (FlashInfer allocates its workspace there)."""
     if name == "torch":
         return TorchPagedAttention()
     if name == "flashinfer":
         from moespec.attention.flashinfer_backend import FlashInferAttention
-        return FlashInferAttention()
+        return FlashInferAttention(device)
     raise ValueError(f"attention backend {name!r} is not known; allowed: 'torch', 'flashinfer'")

@@ -29,6 +29,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     page_size: int
     custom_mask: torch.Tensor | None = None  # flat bool: per request q_len x kv_len, True = attend
+    host: "AttentionMetadata | None" = None  # the same metadata on the host (what FlashInfer plans from)
 
     @property
     def num_requests(self) -> int:

@@ -8,10 +8,13 @@
 
 FlashInfer needs the head layout at plan time, which the model reveals at its first layer:
 `plan()` records the batch metadata and the wrapper is planned on the first `run()` of the
-step; every later layer (and the MTP layer on the same batch) reuses it. New keys/values are
-written into the cache with one index_put per layer, as in the torch backend.
+step; every later layer (and the MTP layer on the same batch) reuses it. The wrapper is planned
+from the batch's host copy (`AttentionMetadata.host`), so planning never reads the device. New
+keys/values are written into the cache with one index_put per layer, as in the torch backend.
+The workspace lives on the model's device (never on bare "cuda": that is GPU 0 for every rank).
 
-This path needs a CUDA machine; it has not yet run on one.
+This path needs a CUDA machine; it has not yet run on one (tests/test_gpu.py checks it against
+the torch backend there).
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class FlashInferAttention:
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device = "cuda") -> None:
         import flashinfer  # imported only when configured
 
         self.flashinfer = flashinfer
+        self.device = torch.device(device)
         self.workspace: torch.Tensor | None = None
         self.wrappers: dict[str, object] = {}
         self.meta: AttentionMetadata | None = None
@@ -34,7 +38,7 @@ class FlashInferAttention:
 
     def wrapper(self, kind: str):
         if self.workspace is None:
-            self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         if kind not in self.wrappers:
             if kind == "mla":
                 self.wrappers[kind] = self.flashinfer.BatchMLAPagedAttentionWrapper(self.workspace)
@@ -52,7 +56,7 @@ class FlashInferAttention:
         self.planned = None
 
     def plan_wrapper(self, q: torch.Tensor, cache: LayerKV, scale: float, v_dim: int) -> None:
-        meta, int32 = self.meta, torch.int32
+        meta, int32 = self.meta.host or self.meta, torch.int32  # host tensors: no copy back from the device
         H, Dk = q.shape[1], q.shape[2]
         key = (H, cache.k.shape[2], Dk, v_dim, scale, cache.v is None)
         if self.planned == key:

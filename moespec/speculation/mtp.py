@@ -57,7 +57,7 @@ class MTPSpeculator(Speculator):
         self.max_tokens = num_tokens
         self.max_num_seqs, self.page_size = max_num_seqs, page_size
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
-        self.backend = create_backend(attention_backend)  # for flushes, catch-up and chain steps
+        self.backend = create_backend(attention_backend, self.device)  # for flushes, catch-up and chain steps
         self.states: dict[str, MTPState] = {}
         self.sync = None  # distributed.Lockstep when a built-in MTP layer's experts are sharded over ranks
 
