@@ -253,19 +253,24 @@ class Cluster:
     def forget(self, request_id: str) -> None:
         self.progress.pop(request_id, None)
 
-    def receive_updates(self) -> list[Sequence]:
-        """Rank 0: apply the updates that arrived to their stand-ins; the stand-ins that changed."""
-        changed = []
+    def receive_updates(self) -> tuple[list[Sequence], list[int]]:
+        """Rank 0: apply the updates that arrived to their stand-ins -> the stand-ins that changed,
+        and the verify steps, draft tokens and accepted tokens they add (for cluster-wide figures)."""
+        changed, spec = [], [0, 0, 0]
         for rank, updates in self.channel.poll():
             for update in updates:
                 remote = self.remote.get(update.request_id)
                 if remote is None or remote.rank != rank:  # aborted here meanwhile
                     continue
+                m = remote.seq.metrics
+                before = (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens)
                 apply_update(remote.seq, update)
+                after = (m.num_spec_steps, m.num_draft_tokens, m.num_accepted_tokens)
+                spec = [s + a - b for s, a, b in zip(spec, after, before)]
                 if remote.seq.is_finished:
                     del self.remote[update.request_id]
                 changed.append(remote.seq)
-        return changed
+        return changed, spec
 
 
 def apply_update(seq: Sequence, update: Update) -> None:

@@ -49,6 +49,7 @@ class StepReport:
     waiting: int = 0
     free_pages: int = 0
     num_pages: int = 0
+    moe_tokens: int = 0  # the most tokens any of its MoE-bearing forwards this step sends (decode steps)
 
     @classmethod
     def size(cls) -> int:
@@ -82,6 +83,7 @@ class StepPlan:
     decode: bool  # every rank with work runs decode or verify tokens only
     sent: tuple[int, ...]  # [G] commands rank 0 has sent to each rank so far
     loads: tuple[RankLoad, ...]  # [G]
+    capacity: int = 1  # C of the fixed-capacity exchange this step: every rank's tokens fit
 
 
 def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
@@ -93,8 +95,9 @@ def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
     mtp_before = max((int(r.lags) + kr - 1 for r, kr in zip(reports, ks) if kr), default=0)
     mtp_after = any(ks) or any(r.flush and r.has_work for r in reports)
     loads = tuple(RankLoad(r.running, r.waiting, r.free_pages, r.num_pages) for r in reports)
+    capacity = 1 << max(0, max(r.moe_tokens for r in reports) - 1).bit_length()  # a power of two: few shapes
     return StepPlan(bool(reports[0].stop), any(r.has_work for r in reports), ks, mtp_before, mtp_after,
-                    all(r.decode for r in reports), sent or (0,) * len(reports), loads)
+                    all(r.decode for r in reports), sent or (0,) * len(reports), loads, capacity)
 
 
 class Lockstep:
@@ -124,7 +127,7 @@ class Lockstep:
 
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:
-        with self.runtime.step(batch.qo_bounds, self.low_latency):
+        with self.runtime.step(batch.qo_bounds, self.low_latency, self.capacity):
             yield
 
     @contextlib.contextmanager
@@ -133,8 +136,12 @@ class Lockstep:
         if self.plan is not None and self.mtp_done > self.plan.mtp_before + self.plan.mtp_after:
             raise RuntimeError(f"rank {self.rank} ran MTP forward {self.mtp_done} of a step agreed to have "
                                f"{self.plan.mtp_before + self.plan.mtp_after}: the ranks would deadlock")
-        with self.runtime.step(batch.qo_bounds, self.low_latency):
+        with self.runtime.step(batch.qo_bounds, self.low_latency, self.capacity):
             yield
+
+    @property
+    def capacity(self) -> int | None:
+        return None if self.plan is None else self.plan.capacity
 
     @property
     def low_latency(self) -> bool:
@@ -142,7 +149,7 @@ class Lockstep:
         return self.fixed and self.plan is not None and self.plan.decode
 
     def join_target(self) -> None:
-        self.runtime.join(self.target_experts, self.dtype, self.low_latency)
+        self.runtime.join(self.target_experts, self.dtype, self.low_latency, self.capacity)
 
     def pad_mtp(self, count: int) -> None:
         """Join the others' MTP forwards until this step has run `count` of them."""
@@ -150,7 +157,7 @@ class Lockstep:
             return
         while self.mtp_done < count:
             self.mtp_done += 1
-            self.runtime.join(self.mtp_experts, self.dtype, self.low_latency)
+            self.runtime.join(self.mtp_experts, self.dtype, self.low_latency, self.capacity)
 
 
 def ep_layers(module: torch.nn.Module) -> list:

@@ -372,10 +372,14 @@ class Engine:
             room = min(self.max_model_len - c.seq.num_tokens for c in chunks) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
         flush = synced_mtp and bool(chunks) and spec.needs_flush(chunks)
-        a = self.allocator
+        a, B, T = self.allocator, len(chunks), sum(c.num_tokens for c in chunks)
+        # bounds on this step's MoE-bearing forwards: the verify (and its MTP re-run), and an MTP
+        # catch-up or flush over at most 1 + K held hidden states and the new one per request
+        moe_tokens = max(T, B * (1 + max(k_wish, 0)), B * (2 + spec.max_tokens) if lags or flush else 0)
         return StepReport(int(stop), int(bool(chunks)), k_wish, room, int(lags), int(flush),
-                          int(scheduled.is_decode_only or not chunks), sum(c.num_tokens for c in chunks),
-                          len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages)
+                          int(scheduled.is_decode_only or not chunks), T,
+                          len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages,
+                          moe_tokens)
 
     def join_step(self, plan: StepPlan) -> None:
         """Nothing scheduled here while other ranks run: join their MoE-bearing forwards empty."""
@@ -403,7 +407,10 @@ class Engine:
         if not self.cluster.front:
             self.cluster.send_updates(outputs.updated)
             return outputs
-        changed = self.cluster.receive_updates()
+        changed, (steps, drafted, accepted) = self.cluster.receive_updates()
+        self.spec_stats.steps += steps  # the other ranks' speculation counts too (not per position)
+        self.spec_stats.draft_tokens += drafted
+        self.spec_stats.accepted_tokens += accepted
         for seq in changed:
             if seq.is_finished:
                 self.sequences.pop(seq.request_id, None)

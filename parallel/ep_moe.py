@@ -27,7 +27,7 @@ import torch
 
 from moespec.models.moe import LocalExperts
 from moespec.parallel.comm import Collectives, CommStream
-from moespec.parallel.exchange import DeepEPExchange, GlooExchange
+from moespec.parallel.exchange import DeepEPExchange, GlooExchange, Ready
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -56,12 +56,14 @@ class EPRuntime:
         self.stream = CommStream(self.collectives)
         self.split: int | None = None
         self.low_latency: bool | None = None  # the fixed-capacity exchange, agreed by all ranks for the step
+        self.capacity: int | None = None  # its C under data-parallel attention, agreed for the step
         self.active = False
         self.fixed = None  # the fixed-capacity exchange (parallel/exchange.py), built on first use
         self.buffer, self.buffer_mode = None, None  # DeepEP: one Buffer per process
 
     @contextmanager
-    def step(self, qo_bounds: Sequence[int] | None = None, low_latency: bool | None = None) -> Iterator[None]:
+    def step(self, qo_bounds: Sequence[int] | None = None, low_latency: bool | None = None,
+             capacity: int | None = None) -> Iterator[None]:
         """Run one forward; with microbatching on and request boundaries given (host ints), MoE
         layers split the batch in two at `split_point(qo_bounds)`. Both halves always run, empty or
         not, so every rank issues the same collectives whatever its own batch. `low_latency`: the
@@ -69,12 +71,12 @@ class EPRuntime:
         uneven one (torch) or DeepEP's normal mode."""
         if self.active:
             raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
-        self.active, self.low_latency = True, low_latency
+        self.active, self.low_latency, self.capacity = True, low_latency, capacity
         self.split = split_point(qo_bounds) if self.microbatch and qo_bounds is not None else None
         try:
             yield
         finally:
-            self.active, self.split, self.low_latency = False, None, None
+            self.active, self.split, self.low_latency, self.capacity = False, None, None, None
 
     def exchange(self, num_experts: int):
         """The fixed-capacity exchange every layer shares (DeepEP's kernels, or fixed all-to-alls)."""
@@ -92,6 +94,14 @@ class EPRuntime:
         self.buffer_mode = "low_latency" if low_latency else "normal"
         return self.buffer
 
+    def call_capacity(self, num_tokens: int) -> int | None:
+        """C of one fixed-capacity call over a batch (or half) of num_tokens, the same on every rank:
+        replicated, every rank's share of it (all hold the batch); data-parallel, the step's agreed
+        capacity (`capacity`, set by the step); None: the buffer's."""
+        if not self.dp:
+            return max(1, -(-num_tokens // self.ctx.ep_size))
+        return self.capacity
+
     def rows_of(self, num_tokens: int) -> tuple[int, int]:
         """Rows [lo, hi) of a batch of num_tokens this rank dispatches: all of its own under
         data-parallel attention, its share of the common batch under replicated attention."""
@@ -103,11 +113,12 @@ class EPRuntime:
         """Combined rows of this rank [hi - lo, M] -> the batch's [T, M] (all-gathered when replicated)."""
         return shard if self.dp else gather_shards(self.collectives, shard, num_tokens)
 
-    def join(self, experts: list["EPExperts"], dtype: torch.dtype, low_latency: bool | None = None) -> None:
+    def join(self, experts: list["EPExperts"], dtype: torch.dtype, low_latency: bool | None = None,
+             capacity: int | None = None) -> None:
         """A forward this rank has no tokens for: run each MoE layer's collectives with zero rows
         (through the exchange the others use), so the ranks that do have tokens are not left
         waiting (data-parallel attention)."""
-        with self.step((0,), low_latency):
+        with self.step((0,), low_latency, capacity):
             for layer in experts:
                 hidden, top_k = layer.w2.shape[1], layer.top_k
                 layer.forward_with_shared(torch.zeros(0, hidden, dtype=dtype),
@@ -188,31 +199,33 @@ class EPExperts(LocalExperts):
         halves = [slice(0, T)] if split is None else [slice(0, split), slice(split, T)]
         rows = [self.shard_of(h) for h in halves]  # this rank's rows of each half
         exchange = self.runtime.exchange(self.num_experts)
-        sent = [exchange.dispatch(x[r], topk_ids[r]) for r in rows]
+        sent = [exchange.dispatch(x[r], topk_ids[r], self.runtime.call_capacity(h.stop - h.start))
+                for r, h in zip(rows, halves)]
         shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
         combined = []
-        for r, pending in zip(rows, sent):
+        for r, h, pending in zip(rows, halves, sent):
             received = pending.wait()
             y = self.forward_masked(received.x, received.counts)  # [L, G*C, M]
-            combined.append(exchange.combine(y, topk_ids[r], topk_weights[r], received))
+            combined.append(self.gathered(exchange.combine(y, topk_ids[r], topk_weights[r], received), h))
         if shared is not None:
             shared_out += [shared(x[h]) for h in halves[1:]]  # hides the last combine
-        out = self.gather_halves(torch.cat([c.wait() for c in combined]), halves)  # [T, M]
+        out = torch.cat([c.wait() for c in combined])  # [T, M]
         return out + torch.cat(shared_out) if shared is not None else out
+
+    def gathered(self, combine, half: slice):
+        """A half's combine, then (replicated) the all-gather of every rank's rows of it, queued on
+        the comm thread behind the combine so it overlaps compute too."""
+        num_tokens = half.stop - half.start
+        if self.runtime.dp:
+            return combine
+        if self.runtime.backend == "deepep":  # DeepEP's receive hook belongs on the compute thread
+            return Ready(self.runtime.gather(combine.wait(), num_tokens))
+        return self.runtime.stream.submit("gather", lambda: self.runtime.gather(combine.wait(), num_tokens))
 
     def shard_of(self, half: slice) -> slice:
         """This rank's rows of one half, as absolute rows of the batch."""
         lo, hi = self.runtime.rows_of(half.stop - half.start)
         return slice(half.start + lo, half.start + hi)
-
-    def gather_halves(self, rows_out: torch.Tensor, halves: list[slice]) -> torch.Tensor:
-        """This rank's rows of every half [sum Ts, M] -> the batch [T, M] (gathered when replicated)."""
-        outs, start = [], 0
-        for h in halves:
-            lo, hi = self.runtime.rows_of(h.stop - h.start)
-            outs.append(self.runtime.gather(rows_out[start: start + hi - lo], h.stop - h.start))
-            start += hi - lo
-        return torch.cat(outs)
 
     def forward_sequential(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                            shared: SharedExperts = None) -> torch.Tensor:

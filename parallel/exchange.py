@@ -1,7 +1,8 @@
 """The fixed-capacity expert exchange: DeepEP's low-latency semantics, with no host read.
 
 Every rank sends at most C tokens per call (C = `num_max_dispatch_tokens_per_rank`: the tokens
-of its own decode or verify step, or of one microbatch of it). A receiver gets
+of its own decode or verify step, or of one microbatch of it; the same C on every rank for a
+call). A receiver gets
 
     recv_x [L, G*C, M]   each local expert's rows, the valid ones first
     counts [L]           valid rows per local expert, a device tensor
@@ -77,6 +78,7 @@ class GlooHandle:
     pair_slot: torch.Tensor  # [T*A] its row in that expert's send block
     rows: torch.Tensor  # [G, L, C] row of each received (source, expert, slot) in recv_x; G*C: none
     num_tokens: int
+    capacity: int
 
 
 class GlooExchange:
@@ -87,16 +89,19 @@ class GlooExchange:
         self.size = runtime.ctx.ep_size
         self.num_local = num_experts // self.size
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor):
-        check_capacity(x.shape[0], self.capacity)
-        return self.runtime.stream.submit("dispatch", self.dispatch_now, x, topk_ids)
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, capacity: int | None = None):
+        """`capacity`: this call's C (every rank passes the same), at most the buffer's; padding
+        past a rank's tokens is computed by every expert on CPU, so a smaller C costs less."""
+        capacity = min(capacity or self.capacity, self.capacity)
+        check_capacity(x.shape[0], capacity)
+        return self.runtime.stream.submit("dispatch", self.dispatch_now, x, topk_ids, capacity)
 
     def combine(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, received: Received):
         return self.runtime.stream.submit("combine", self.combine_now, y, topk_weights, received.handle)
 
-    def dispatch_now(self, x: torch.Tensor, topk_ids: torch.Tensor) -> Received:
+    def dispatch_now(self, x: torch.Tensor, topk_ids: torch.Tensor, C: int) -> Received:
         """x [T, M], topk_ids [T, A] -> each local expert's rows from every rank."""
-        (T, M), E, C, G, L = x.shape, self.num_experts, self.capacity, self.size, self.num_local
+        (T, M), E, G, L = x.shape, self.num_experts, self.size, self.num_local
         expert = topk_ids.flatten()  # [T*A]
         hits = F.one_hot(expert, E)  # [T*A, E]
         slot = (hits.cumsum(0) * hits).sum(1) - 1  # [T*A] the pair's row among its expert's pairs
@@ -113,7 +118,7 @@ class GlooExchange:
         recv_x = x.new_zeros(L, G * C + 1, M)  # one spare row takes the empty slots
         experts = torch.arange(L, device=x.device)[None, :, None].expand(G, L, C)
         recv_x[experts, rows] = recv
-        return Received(recv_x[:, :G * C], recv_counts.sum(0), GlooHandle(expert, slot, rows, T))
+        return Received(recv_x[:, :G * C], recv_counts.sum(0), GlooHandle(expert, slot, rows, T, C))
 
     def remote_rows(self, counts: torch.Tensor) -> int:
         """Rows of counts [G, L] (per peer rank) that cross the link: a modelled link's charge,
@@ -124,7 +129,7 @@ class GlooExchange:
     def combine_now(self, y: torch.Tensor, topk_weights: torch.Tensor, handle: GlooHandle) -> torch.Tensor:
         """y [L, G*C, M] (unweighted) -> the weighted sum over each token's experts [T, M]."""
         L, _, M = y.shape
-        G, C, T = self.size, self.capacity, handle.num_tokens
+        G, C, T = self.size, handle.capacity, handle.num_tokens
         padded = torch.cat([y, y.new_zeros(L, 1, M)], dim=1)  # the spare row reads as zeros
         experts = torch.arange(L, device=y.device)[None, :, None].expand(G, L, C)
         back = padded[experts, handle.rows]  # [G, L, C, M] rows for each source rank
@@ -154,7 +159,8 @@ class DeepEPExchange:
     def __init__(self, runtime, num_experts: int, capacity: int) -> None:
         self.runtime, self.num_experts, self.capacity = runtime, num_experts, capacity
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor):
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, capacity: int | None = None):
+        """DeepEP keeps the C its buffer was sized for on every call (one layout, graph-friendly)."""
         check_capacity(x.shape[0], self.capacity)
         buffer = self.runtime.deepep_buffer(x.shape[1], self.num_experts, low_latency=True)
         recv_x, counts, handle, _, hook = buffer.low_latency_dispatch(

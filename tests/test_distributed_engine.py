@@ -196,6 +196,9 @@ def test_step_plan_from_reports():
     assert decide([decode, StepReport(has_work=1, k_wish=0)]).ks == (0, 0)  # one rank turns it down for all
     nothing = decide([StepReport(stop=1), idle])
     assert nothing.stop and not nothing.run
+    # the fixed-capacity exchange's C: a power of two that holds every rank's largest forward
+    assert decide([StepReport(has_work=1, moe_tokens=12), StepReport(moe_tokens=3)]).capacity == 16
+    assert decide([StepReport(has_work=1, moe_tokens=16), idle]).capacity == 16
 
 
 def test_engine_refuses_ep_without_ranks(paths):

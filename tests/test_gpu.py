@@ -1,0 +1,128 @@
+"""The GPU suite (`pytest -m gpu`, run by benchmarks/run_gpu.sh): skipped without CUDA, each test
+needing FlashInfer or DeepEP skipped without them.
+
+- FlashInfer attention equals the torch backend for prefill, decode, verify and MLA.
+- The fixed-capacity exchange on one GPU (over NCCL) equals the same exchange on CPU, and
+  DeepEP's low-latency kernels (when installed) equal both.
+- Greedy output of every speculation mode on CUDA equals no speculation.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from moespec.attention import TorchPagedAttention, create_backend
+from moespec.batch import Span, pack_spans
+from moespec.kv_cache import KVCache
+from moespec.models.weights import KVSpec
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+needs_deepep = pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, reason="needs DeepEP")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (mode, query tokens per request): prefill chunks, decode, 1 + k verify tokens
+SHAPES = [("prefill", 9), ("decode", 1), ("verify", 3)]
+
+
+def attention_run(backend, spec: KVSpec, mode: str, q_len: int, heads: int, seed: int = 0) -> torch.Tensor:
+    """One layer's attention over 3 requests with some KV history, on CUDA in bfloat16."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    page = 16
+    cache = KVCache([spec], 32, page, torch.bfloat16, "cuda")
+    spans = [Span([3 * b, 3 * b + 1, 3 * b + 2], 5 + 11 * b, [1] * q_len) for b in range(3)]
+    batch = pack_spans(spans, page, mode, sampled=None if mode == "verify" else [True] * 3).to("cuda")
+    backend.plan(batch.attention_metadata())
+    layer = cache.layers[0]
+    for t in (layer.k, layer.v):
+        if t is not None:
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32).to(t.dtype))
+    T = batch.num_tokens
+    q = torch.randn(T, heads, spec.k_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn(T, spec.num_kv_heads, spec.k_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    v = None if layer.v is None else torch.randn(T, spec.num_kv_heads, spec.v_dim, generator=gen,
+                                                 device="cuda").to(torch.bfloat16)
+    return backend.run(q, k, v, layer, spec.k_dim ** -0.5, spec.v_dim).float()
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("mode,q_len", SHAPES)
+def test_flashinfer_equals_torch_attention_gqa(mode, q_len):
+    spec = KVSpec(num_kv_heads=2, k_dim=128, v_dim=128)
+    want = attention_run(TorchPagedAttention(), spec, mode, q_len, heads=8)
+    got = attention_run(create_backend("flashinfer", "cuda"), spec, mode, q_len, heads=8)
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("mode,q_len", SHAPES)
+def test_flashinfer_equals_torch_attention_mla(mode, q_len):
+    """DeepSeek's MLA: one latent KV head of 512 + 64 rope dims; values are the first 512."""
+    spec = KVSpec(num_kv_heads=1, k_dim=576, v_dim=512, separate_v=False)
+    want = attention_run(TorchPagedAttention(), spec, mode, q_len, heads=16)
+    got = attention_run(create_backend("flashinfer", "cuda"), spec, mode, q_len, heads=16)
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
+def exchange_on(device: str, backend: str = "torch", ctx=None) -> torch.Tensor:
+    """A DeepSeek-shaped MoE layer (hidden 7168 is DeepEP's; 32 experts top-8) through the fixed-capacity
+    exchange at EP=1 on `device`."""
+    from moespec.config import ParallelSection
+    from moespec.parallel import EPExperts, EPRuntime
+    from moespec.parallel.groups import single_process_context
+    ctx = ctx or single_process_context(ParallelSection())
+    runtime = EPRuntime(ctx, backend=backend, max_tokens_per_rank=64)
+    try:
+        torch.manual_seed(0)
+        experts = EPExperts(32, 7168, 256, runtime, 8).to(device=device, dtype=torch.bfloat16)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(48, 7168, generator=gen).to(device=device, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(32, generator=gen)[:8] for _ in range(48)]).to(device)
+        weights = torch.rand(48, 8, generator=gen).to(device=device, dtype=torch.bfloat16)
+        with runtime.step(list(range(0, 49, 2)), low_latency=True):
+            return experts(x, ids, weights).float().cpu()
+    finally:
+        runtime.close()
+
+
+def test_fixed_capacity_exchange_on_gpu_equals_cpu():
+    cpu, gpu = exchange_on("cpu"), exchange_on("cuda")
+    assert torch.allclose(gpu, cpu, atol=5e-2, rtol=5e-2), (gpu - cpu).abs().max()
+
+
+@needs_deepep
+def test_deepep_low_latency_equals_the_fixed_exchange():
+    """DeepEP needs a process group even for one rank."""
+    import torch.distributed as dist
+
+    from moespec.parallel import ParallelContext
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29611", rank=0, world_size=1)
+    ctx = ParallelContext(0, 1, 0, dist.group.WORLD, 0, 1, True, torch.device("cuda"))
+    assert torch.allclose(exchange_on("cuda", "deepep", ctx), exchange_on("cuda"), atol=5e-2, rtol=5e-2)
+
+
+CASES = [("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 1}),
+         ("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 3}),
+         ("checkpoints/tiny-llama", {"mode": "draft", "draft_model": "checkpoints/tiny-llama-draft",
+                                     "num_speculative_tokens": 4}),
+         ("checkpoints/tiny-llama", {"mode": "mtp", "mtp_head": "checkpoints/tiny-llama-mtp-head",
+                                     "num_speculative_tokens": 2})]
+
+
+@pytest.mark.parametrize("model,spec", CASES, ids=lambda c: c if isinstance(c, str) else c["mode"])
+def test_greedy_identity_of_every_speculation_mode_on_cuda(model, spec):
+    from moespec import LLM, SamplingParams
+    from moespec.bench import heldout_prompts
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    path = os.path.join(ROOT, model)
+    plain = LLM(model=path, device="cuda")
+    prompts = heldout_prompts(plain.get_tokenizer(), 4, 64)
+    want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    spec = {k: os.path.join(ROOT, v) if k in ("draft_model", "mtp_head") else v for k, v in spec.items()}
+    fast = LLM(model=path, device="cuda", speculation={**spec, "adaptive": False})
+    got = [o.token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    assert fast.engine.spec_stats.steps > 0
