@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -106,18 +107,13 @@ def main() -> None:
         if result.error:
             raise SystemExit(f"rank {result.rank} failed: {result.error}")
     summary = summarize(results[0].value)
-    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {platform_cores()} cores",
+    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "config": CONFIG, "requests": args.requests, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "microbatch": args.microbatch, "results": summary}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-
-
-def platform_cores() -> int:
-    import os
-    return os.cpu_count() or 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ client or a burst of requests never holds up the ranks' lockstep.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from collections import Counter, deque
@@ -239,7 +240,7 @@ class Cluster:
 
     def take_update(self, seq: Sequence) -> Update:
         sent = self.progress.setdefault(seq.request_id, Sent())
-        keep = common_prefix(sent.text, seq.text)
+        keep = len(os.path.commonprefix([sent.text, seq.text]))  # text grows, or is cut back at a stop string
         m = seq.metrics
         update = Update(seq.request_id, seq.output_ids[sent.tokens:], seq.logprobs[sent.logprobs:], keep,
                         seq.text[keep:], seq.streamable_chars, seq.finish_reason if seq.is_finished else None,
@@ -294,18 +295,3 @@ def finish_stand_in(seq: Sequence, reason: str) -> None:
     seq.status, seq.finish_reason = Status.FINISHED, reason
     seq.metrics.finished_time = time.monotonic()
     seq.streamable_chars = len(seq.text)
-
-
-def common_prefix(a: str, b: str) -> int:
-    """Length of the common prefix (text only grows, except when cut back at a stop string)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
