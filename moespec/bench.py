@@ -16,6 +16,11 @@ as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for th
 shared CPU machines drift by 10-20% within a minute. With --hf-assisted, transformers' plain
 and assisted `generate` (same target and draft) run at batch 1 in the same process for
 comparison.
+
+With --shared-prefix N every prompt is one shared N-token system prompt followed by its own
+--prompt-len tokens (a chat service's traffic), and --prefix-caching both runs every mode with
+the prefix cache on and off side by side (off: labelled `<mode>/no-cache`), reporting TTFT,
+the share of prompt tokens served from the cache and the accept length of each.
 """
 from __future__ import annotations
 
@@ -54,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive speculation length (off: always draft k)")
     parser.add_argument("--hf-assisted", action="store_true",
                         help="also time transformers' generate and assisted generation at batch 1")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                        help="every prompt starts with the same N tokens (a system prompt)")
+    parser.add_argument("--prefix-caching", choices=["config", "on", "off", "both"], default="config",
+                        help="both: every mode with the prefix cache on and off (labelled <mode>/no-cache)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="bench-results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
@@ -81,7 +90,8 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * stride: i * stride + length] for i in range(count)]
 
 
-def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params: list, chunk: int) -> dict[str, dict]:
+def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params: list, chunk: int,
+              shared: int = 0) -> dict[str, dict]:
     """Every mode over the same prompts, `chunk` prompts per generate call; the modes take turns
     on each chunk, so a slow phase of the machine falls on all of them alike."""
     before = {label: snapshot(llm.engine.spec_stats) for label, llm in engines.items()}
@@ -92,7 +102,7 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
             start = time.perf_counter()
             outs[label] += engines[label].generate(prompts[i:i + chunk], params[i:i + chunk], use_tqdm=False)
             seconds[label] += time.perf_counter() - start
-    return {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats)
+    return {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared)
             for label in order}
 
 
@@ -107,7 +117,8 @@ def snapshot(stats) -> tuple:
     return stats.steps, stats.accepted_tokens, list(stats.accepted_at), list(stats.drafted_at)
 
 
-def summarize_mode(outs: list, elapsed: float, before: tuple, s) -> dict:
+def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0) -> dict:
+    """`shared`: the prompts' shared prefix length (the share of it served from the cache is reported)."""
     tokens = sum(len(o.token_ids) for o in outs)
     steps, accepted = s.steps - before[0], s.accepted_tokens - before[1]
     acc_at = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(s.accepted_at)]
@@ -119,6 +130,10 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s) -> dict:
         "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([o.metrics.tpot for o in outs
                                                                   if o.metrics.tpot is not None])),
         "accept_length": (accepted + steps) / steps if steps else None,
+        "cached_prompt_share": (sum(o.num_cached_tokens for o in outs)
+                                / max(1, sum(len(o.prompt_token_ids) for o in outs))),
+        "cached_shared_share": (sum(min(o.num_cached_tokens, shared) for o in outs) / (shared * len(outs))
+                                if shared else None),
         "acceptance_by_position": [a / d if d else None for a, d in zip(acc_at, drafted)],
         "spec_steps": steps,
     }
@@ -192,12 +207,16 @@ def run(args: argparse.Namespace) -> int:
     modes = [parse_mode(m) for m in args.modes.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
+    caching = {"config": [base.cache.prefix_caching], "on": [True], "off": [False], "both": [True, False]}
+    variants = [(label if on or args.prefix_caching != "both" else f"{label}/no-cache", spec, on)
+                for label, spec in modes for on in caching[args.prefix_caching]]
+
     def build_engines(batch: int) -> dict:
         scheduler = replace(base.scheduler, max_num_seqs=batch)
         engines = {}
-        for label, spec in modes:
+        for label, spec, on in variants:
             fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
-            engines[label] = LLM(config=replace(base, scheduler=scheduler,
+            engines[label] = LLM(config=replace(base, scheduler=scheduler, cache=replace(base.cache, prefix_caching=on),
                                                 speculation=replace(base.speculation, **fields)))
         return engines
 
@@ -208,34 +227,43 @@ def run(args: argparse.Namespace) -> int:
         return -(-max(args.num_prompts, turn_size(batch)) // turn_size(batch)) * turn_size(batch)
 
     tokenizer = load_tokenizer(base.model.tokenizer or base.model.path)
-    prompts = heldout_prompts(tokenizer, max(prompt_count(b) for b in sizes), args.prompt_len)
+    count = max(prompt_count(b) for b in sizes)
+    windows = heldout_prompts(tokenizer, count + 2, max(args.prompt_len, args.shared_prefix))
+    prompts = [w[:args.prompt_len] for w in windows[:count]]
+    warmup = [w[:args.prompt_len] for w in windows[-1:]] * max(sizes)  # never the measured prompts' prefix
+    if args.shared_prefix:
+        prompts = [windows[-2][:args.shared_prefix] + p for p in prompts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     lengths = output_lengths(len(prompts), args.max_tokens, args.max_tokens_spread)
     per_prompt = [replace(params, max_tokens=n) for n in lengths]
-    results = {label: [] for label, _ in modes}
+    results = {label: [] for label, _, _ in variants}
     for batch in sizes:
         engines = build_engines(batch)
         for llm in engines.values():  # warm-up
-            llm.generate(prompts[:batch], replace(params, max_tokens=4), use_tqdm=False)
+            llm.generate(warmup[:batch], replace(params, max_tokens=4), use_tqdm=False)
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         for r in range(args.repeats):
             labels = list(engines)
             order = labels[r % len(labels):] + labels[:r % len(labels)]  # rotate: no mode always first
-            rows = run_modes(engines, order, prompts[:prompt_count(batch)], per_prompt, turn_size(batch))
+            rows = run_modes(engines, order, prompts[:prompt_count(batch)], per_prompt, turn_size(batch),
+                             args.shared_prefix)
             for label, row in rows.items():
                 runs[label].append(row)
         for label, rows in runs.items():
             row = summarize_runs(rows, runs.get("none"))
             row["batch"] = batch
             results[label].append(row)
-            logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s", batch, label,
+            logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
+                        "cached prompt share %.3f", batch, label,
                         row["tok_s"], f"{row['speedup']:.2f}" if row["speedup"] else "-",
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
-                        f"{row['accept_length']:.2f}" if row["accept_length"] else "-")
+                        f"{row['accept_length']:.2f}" if row["accept_length"] else "-", row["ttft_ms"],
+                        row["cached_prompt_share"])
         for llm in engines.values():
             llm.close()
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
+              "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
               "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}

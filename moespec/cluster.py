@@ -2,7 +2,8 @@
 streams its tokens back.
 
 - `parallel.attention: dp`: a request goes to one rank, the one with the fewest unfinished
-  requests (then the lowest KV use, then the lowest rank). Rank 0 keeps a stand-in `Sequence`
+  requests (then the lowest KV use, then the lowest rank); with prefix caching, rather one that
+  was sent the same prompt prefix, unless that one is much busier (`place_by_prefix`). Rank 0 keeps a stand-in `Sequence`
   for each request on another rank and fills it from that rank's updates, so the HTTP server
   and `LLM.generate` see every request alike.
 - `replicated`: every rank gets every request and runs the same batches; rank 0's own copy
@@ -22,11 +23,12 @@ import logging
 import os
 import pickle
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from moespec.kv_cache import PageKeys
 from moespec.sampling import SamplingParams
 from moespec.sequence import Sequence, Status, TokenLogprob
 
@@ -58,7 +60,8 @@ class Update:
     streamable_chars: int
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # preemptions, draft, accepted tokens, spec steps
+    # preemptions, draft, accepted tokens, spec steps, prompt tokens found in the prefix cache (-1: none yet)
+    counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, -1)
 
 
 class ChannelError(RuntimeError):
@@ -161,6 +164,9 @@ class Cluster:
     local_unfinished: int = 0  # rank 0's own running, waiting and queued requests (set by its engine)
     announced: tuple[int, ...] = ()  # rank 0: commands counted by the last agreement, per rank
     delivered: tuple[int, ...] = ()  # ... and by the one before: every rank has applied these
+    keys: PageKeys | None = None  # prefix caching on: placement prefers a rank that holds the prefix
+    slack: int = 4  # ... unless it has this many more unfinished requests than the least loaded rank
+    holders: OrderedDict = field(default_factory=OrderedDict)  # rank 0: page key -> ranks it was sent to
 
     def __post_init__(self) -> None:
         self.sent = self.sent or [0] * self.size
@@ -178,18 +184,56 @@ class Cluster:
 
     def submit(self, seq: Sequence, loads) -> None:
         """Place a validated request: one rank (dp) or every rank (replicated)."""
-        ranks = [self.place(loads)] if self.dp else list(range(self.size))
+        ranks = [self.place_by_prefix(seq, loads)] if self.dp else list(range(self.size))
         for rank in ranks:
             self.send(rank, Add(seq.request_id, seq.prompt_ids, seq.params, seq if rank == 0 else None))
         if ranks[0] != 0:
             self.remote[seq.request_id] = Remote(ranks[0], seq)
 
-    def place(self, loads) -> int:
+    def place(self, loads, among: list[int] | None = None) -> int:
         """The rank with the fewest unfinished requests, then the lowest KV use, then the lowest id."""
+        counts = self.unfinished()
+        usage = [load.kv_usage for load in loads] if loads else [0.0] * self.size
+        return min(among or range(self.size), key=lambda r: (counts[r], usage[r], r))
+
+    def unfinished(self) -> Counter:
         counts = Counter(r.rank for r in self.remote.values())
         counts[0] = self.local_unfinished + self.num_queued()
-        usage = [load.kv_usage for load in loads] if loads else [0.0] * self.size
-        return min(range(self.size), key=lambda r: (counts[r], usage[r], r))
+        return counts
+
+    def place_by_prefix(self, seq: Sequence, loads) -> int:
+        """With prefix caching: the least loaded rank of those sent the longest run of seq's full
+        prompt pages, unless it has `slack` more unfinished requests than the least loaded rank
+        (which then computes the prefix and holds it too). Ranks evict on their own: this is
+        where the prefix likely is, not a promise."""
+        rank = self.place(loads)
+        if self.keys is None:
+            return rank
+        keys = self.keys.update(seq)[: len(seq.prompt_ids) // self.keys.page_size]
+        holders = self.prefix_holders(keys)
+        if holders:
+            best, counts = self.place(loads, holders), self.unfinished()
+            rank = best if counts[best] <= counts[rank] + self.slack else rank
+        self.remember(keys, rank)
+        return rank
+
+    def prefix_holders(self, keys: list[bytes]) -> list[int]:
+        """The ranks sent the longest run of these page keys (none: no rank was sent the first)."""
+        held: set[int] = set()
+        for key in keys:
+            ranks = self.holders.get(key, set())
+            ranks = ranks & held if held else ranks
+            if not ranks:
+                break
+            held = ranks
+        return sorted(held)
+
+    def remember(self, keys: list[bytes], rank: int, limit: int = 1 << 16) -> None:
+        for key in keys:
+            self.holders.setdefault(key, set()).add(rank)
+            self.holders.move_to_end(key)
+        while len(self.holders) > limit:
+            self.holders.popitem(last=False)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Rank 0: send the abort to the owning rank(s). A stand-in is finished at once (returned);
@@ -245,7 +289,8 @@ class Cluster:
         update = Update(seq.request_id, seq.output_ids[sent.tokens:], seq.logprobs[sent.logprobs:], keep,
                         seq.text[keep:], seq.streamable_chars, seq.finish_reason if seq.is_finished else None,
                         seq.stop_reason, (m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens,
-                                          m.num_spec_steps))
+                                          m.num_spec_steps,
+                                          -1 if m.num_cached_tokens is None else m.num_cached_tokens))
         sent.tokens, sent.logprobs, sent.text = len(seq.output_ids), len(seq.logprobs), seq.text
         if seq.is_finished:
             del self.progress[seq.request_id]
@@ -285,7 +330,8 @@ def apply_update(seq: Sequence, update: Update) -> None:
     seq.streamable_chars = update.streamable_chars
     m = seq.metrics
     m.num_generated_tokens = len(seq.output_ids)
-    m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens, m.num_spec_steps = update.counts
+    m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens, m.num_spec_steps, cached = update.counts
+    m.num_cached_tokens = None if cached < 0 else cached
     if update.finish_reason is not None:
         seq.stop_reason = update.stop_reason
         finish_stand_in(seq, update.finish_reason)

@@ -78,6 +78,9 @@ class CacheSection:
     page_size: int = 16
     num_kv_pages: int | Literal["auto"] = 2048  # auto: fill memory_fraction of the device (moespec plan)
     memory_fraction: float = 0.9  # of the device's memory (the host's for CPU) that everything may use
+    # full pages stay cached after their request ends; a request whose prompt starts with cached
+    # pages (same tokens, model and cache_salt) takes them and computes only the rest
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ FLAT_KEYS = {
     "page_size": "cache.page_size", "num_kv_pages": "cache.num_kv_pages",
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",
+    "prefix_caching": "cache.prefix_caching", "enable_prefix_caching": "cache.prefix_caching",
 }
 
 

@@ -25,7 +25,7 @@ from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
 from moespec.cluster import Abort, Add, Cluster
 from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
-from moespec.kv_cache import PageAllocator
+from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
@@ -123,8 +123,8 @@ class Engine:
         self.max_model_len = self.resolve_max_model_len()
         self.runner = ModelRunner(self.model, c.cache.num_kv_pages, c.cache.page_size, c.model.attention_backend,
                                   c.model.device)
-        self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len)
         self.speculator = create_speculator(c, self.model, self.runner)
+        self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len, self.page_keys(), self.speculator)
         self.lockstep: Lockstep | None = None
         self.cluster: Cluster | None = None
         self.stopped = False  # rank 0 ended the ranks' loop
@@ -157,7 +157,8 @@ class Engine:
         self.runner.sync = self.lockstep
         if builtin_mtp:
             self.speculator.sync = self.lockstep
-        self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp)
+        self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp,
+                               keys=self.scheduler.keys)
 
     def stop_ranks(self) -> None:
         """Rank 0: end every rank's loop (`serve_forever` returns there)."""
@@ -185,6 +186,15 @@ class Engine:
         logger.info("rank %d serving (attention: %s)", self.lockstep.rank, self.config.parallel.attention)
         while not self.stopped:
             self.step()
+
+    def page_keys(self) -> PageKeys | None:
+        """Prefix-cache keys: a page's tokens, those before it and what else sets its KV."""
+        c = self.config
+        if not c.cache.prefix_caching:
+            return None
+        identity = (c.model.path, c.model.dtype, c.model.quantization, c.speculation.mode, c.draft.model,
+                    c.speculation.draft_model, c.speculation.mtp_head)
+        return PageKeys(c.cache.page_size, self.speculator.kv_lookahead, repr(identity))
 
     def resolve_max_model_len(self) -> int:
         model_max = self.model.config.max_position_embeddings
@@ -334,6 +344,7 @@ class Engine:
         start = time.perf_counter()
         self.phase = "postprocess"
         outputs = self.postprocess(prepared, result)
+        self.publish([c.seq for c in prepared.scheduled.chunks])
         host_s = prepared.host_s + time.perf_counter() - start
         self.record(prepared, host_s, device_s)
         if prepared.batch.mode == "decode" and self.speculator.max_tokens:  # a plain decode step, measured
@@ -345,6 +356,8 @@ class Engine:
         scheduled = self.scheduler.schedule(lookahead=self.speculator.lookahead)
         for seq in scheduled.preempted:
             self.speculator.release(seq)
+        for seq, num_tokens in scheduled.hits:
+            self.speculator.start_at(seq, num_tokens)
         if not scheduled.chunks and self.scheduler.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("no request fits in the KV cache; raise cache.num_kv_pages")
         if self.cluster is not None and self.cluster.front:
@@ -465,6 +478,7 @@ class Engine:
             seq.metrics.num_accepted_tokens += a
             seq.metrics.num_spec_steps += 1
             self.append_tokens(seq, tokens[b][: a + 1], logprobs[b * (k + 1): b * (k + 1) + a + 1])
+        self.publish(seqs)
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
@@ -524,6 +538,12 @@ class Engine:
             updated.append(seq)
         return EngineOutputs(updated)
 
+    def publish(self, seqs: list[Sequence]) -> None:
+        """Cache the pages these requests have now computed (finished ones did as they ended)."""
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.publish(seq)
+
     def append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
         """Append tokens one by one, stopping exactly at EOS, stop ids, stop strings or limits."""
         now = time.monotonic()
@@ -568,8 +588,8 @@ class Engine:
         seq.finish_reason = reason
         seq.metrics.finished_time = time.monotonic()
         seq.streamable_chars = len(seq.text)  # a finished request's text is final
+        self.scheduler.finish(seq)  # publishes its pages first: the speculator's state says which are ready
         self.speculator.release(seq)
-        self.scheduler.finish(seq)
         self.sequences.pop(seq.request_id, None)
 
     def record(self, prepared: PreparedStep, host_s: float, device_s: float) -> None:

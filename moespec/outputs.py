@@ -50,3 +50,8 @@ class RequestOutput:
     @property
     def metrics(self) -> RequestMetrics:
         return self.outputs[0].metrics
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (the fewest over the completions)."""
+        return min(o.metrics.num_cached_tokens or 0 for o in self.outputs)

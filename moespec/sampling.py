@@ -48,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; 0 = the chosen token's; k = also the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # requests share cached KV pages only with requests of the same salt
 
     def __post_init__(self) -> None:
         # Frozen: normalization has to go through object.__setattr__.
@@ -87,6 +88,8 @@ class SamplingParams:
             _require(isinstance(t, int) and t >= 0, "stop_token_ids", t, "entries must be ints >= 0")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                  f"must be None or in [0, {MAX_LOGPROBS}]")
+        _require(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
+                 self.cache_salt, "must be a non-empty string or None")
 
 
 def _as_tuple(value: object) -> tuple | None:

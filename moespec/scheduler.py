@@ -1,18 +1,25 @@
 """Continuous batching: waiting/running queues, admission by free pages and batch limits,
-chunked prefill, decode, preemption by recompute when pages run out, abort.
+prefix caching, chunked prefill, decode, preemption by recompute when pages run out, abort.
 
 One `schedule()` call decides which requests run this step and how many of their pending
 tokens go in, and makes sure their pages cover those tokens (plus `lookahead` slots a
 speculator will write during decode). Pages come from the engine's single allocator.
+
+Prefix caching: a request being admitted takes the longest run of cached pages its tokens
+start with (at least one token is always left to compute, for logits to sample from) and
+prefills the rest. Its full pages are published as they are computed (`publish`), so a
+request finishing, aborted or preempted leaves them cached. A waiting request whose next page
+another running request is computing right now waits a step for it rather than compute it
+twice (requests sharing a system prompt, arriving together, or the n completions of a prompt).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moespec.config import SchedulerSection
-from moespec.kv_cache import PageAllocator
+from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.sequence import Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    hits: list[tuple[Sequence, int]] = field(default_factory=list)  # admitted with cached pages: (seq, tokens
+    # of them whose speculator KV is cached too)
 
     @property
     def mode(self) -> str:
@@ -55,10 +64,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerSection, allocator: PageAllocator, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerSection, allocator: PageAllocator, max_model_len: int,
+                 keys: PageKeys | None = None, speculator=None) -> None:
+        """`keys`: prefix caching on. `speculator` (a Speculator): which positions its caches hold
+        (`kv_tokens`), and whether it can compute its KV of cached pages that lack it
+        (`kv_from_tokens`: a draft model can; the MTP layer needs the target's hidden states)."""
         self.config = config
         self.max_model_len = max_model_len
         self.allocator = allocator
+        self.keys, self.speculator = keys, speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -83,8 +97,10 @@ class Scheduler:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
+        self.publish(seq)  # what it computed stays cached
         self.allocator.free(seq.pages)
         seq.pages = []
+        seq.num_published = seq.num_ready = 0
 
     # ------------------------------------------------------------------ one step
 
@@ -102,9 +118,11 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
+        hits = []
         if not preempted:
-            chunks += self.admit_waiting(budget, lookahead)
-        return SchedulerOutput(chunks, preempted)
+            admitted, hits = self.admit_waiting(budget, lookahead)
+            chunks += admitted
+        return SchedulerOutput(chunks, preempted, hits)
 
     def reserve(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
         """Grow seq's pages to cover num_tokens, preempting the newest running requests if needed."""
@@ -129,23 +147,79 @@ class Scheduler:
         self.waiting.appendleft(seq)
         logger.info("preempted request %s (%d tokens) to free KV pages", seq.request_id, seq.num_tokens)
 
-    def admit_waiting(self, budget: int, lookahead: int) -> list[ScheduledChunk]:
-        chunks = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num = seq.num_pending
+    def admit_waiting(self, budget: int, lookahead: int) -> tuple[list[ScheduledChunk], list]:
+        chunks, hits = [], []
+        computing = self.computing_keys()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached, spec_tokens = self.find_cached(seq)
+            if self.computes_soon(seq, len(cached), computing):
+                continue  # its next page is being computed by another request: take it next step
+            num = seq.num_pending - len(cached) * self.allocator.page_size
             if num > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num = budget
-            extra = lookahead if num == seq.num_pending else 0  # a draft writes one token past the prompt
-            need = self.allocator.pages_for(min(seq.num_computed + num + extra, self.max_model_len)) - len(seq.pages)
-            if not self.allocator.can_allocate(need):
+            start = len(cached) * self.allocator.page_size
+            extra = lookahead if start + num == seq.num_tokens else 0  # a draft writes one token past the prompt
+            need = self.allocator.pages_for(min(start + num + extra, self.max_model_len)) - len(cached)
+            if not self.allocator.can_allocate(need + sum(self.allocator.refs[p] == 0 for p in cached)):
                 break
-            seq.pages += self.allocator.allocate(need)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, num))
+            self.admit(seq, cached, need, spec_tokens)
+            computing.update(seq.page_keys[len(cached):])
+            if cached:
+                hits.append((seq, spec_tokens))
+            chunks.append(ScheduledChunk(seq, start, num))
             budget -= num
-        return chunks
+        return chunks, hits
+
+    def admit(self, seq: Sequence, cached: list[int], need: int, spec_tokens: int) -> None:
+        self.allocator.take(cached)
+        seq.pages = cached + self.allocator.allocate(need)
+        seq.num_computed = len(cached) * self.allocator.page_size
+        seq.num_published, seq.num_ready = len(cached), spec_tokens // self.allocator.page_size
+        if seq.metrics.num_cached_tokens is None:
+            seq.metrics.num_cached_tokens = seq.num_computed
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def find_cached(self, seq: Sequence) -> tuple[list[int], int]:
+        """The cached pages seq can start with (leaving at least one token to compute), and how
+        many of their tokens have the speculator's KV too."""
+        if self.keys is None:
+            return [], 0
+        keys = self.keys.update(seq)[: (seq.num_tokens - 1) // self.allocator.page_size]
+        pages = self.allocator.lookup(keys)
+        ready = next((i for i, page in enumerate(pages) if page not in self.allocator.ready), len(pages))
+        if self.speculator is not None and not self.speculator.kv_from_tokens:
+            pages = pages[:ready]
+        return pages, ready * self.allocator.page_size
+
+    def computing_keys(self) -> set[bytes]:
+        """Keys of pages running requests have yet to compute and publish."""
+        if self.keys is None:
+            return set()
+        return {key for seq in self.running for key in seq.page_keys[seq.num_published:]}
+
+    def computes_soon(self, seq: Sequence, num_cached: int, computing: set[bytes]) -> bool:
+        return num_cached < len(seq.page_keys) and seq.page_keys[num_cached] in computing
+
+    def publish(self, seq: Sequence) -> None:
+        """Publish seq's pages that are now full in the target's cache (keyed by their tokens), and
+        mark those whose positions the speculator's caches hold too."""
+        if self.keys is None or not seq.pages:
+            return
+        spec_tokens = self.speculator.kv_tokens(seq) if self.speculator is not None else seq.num_tokens
+        S, keys = self.allocator.page_size, self.keys.update(seq)
+        full = min(seq.num_computed // S, len(keys), len(seq.pages))
+        for i in range(seq.num_published, full):
+            self.allocator.publish(seq.pages[i], keys[i])
+        seq.num_published = max(seq.num_published, full)
+        ready = min(spec_tokens // S, seq.num_published)
+        for i in range(seq.num_ready, ready):
+            self.allocator.mark_ready(seq.pages[i])
+        seq.num_ready = max(seq.num_ready, ready)

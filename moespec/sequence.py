@@ -33,6 +33,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (set when first scheduled)
 
     @property
     def ttft(self) -> float | None:
@@ -70,6 +71,9 @@ class Sequence:
     detokenizer: object | None = None
     stop_checker: object | None = None
     streamable_chars: int = 0  # text[:streamable_chars] can be streamed (no partial stop string)
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages (PageKeys)
+    num_published: int = 0  # leading pages published to the prefix cache (or found there)
+    num_ready: int = 0  # leading pages whose speculator KV is in the cache too
 
     @property
     def num_tokens(self) -> int:

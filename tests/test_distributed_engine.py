@@ -58,6 +58,7 @@ def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
         running = sum(load.running for load in loads) if loads else len(engine.scheduler.running)
         engine.peak_running = max(engine.peak_running, running)
         step += 1
+    engine.cached_tokens = [seqs[i].metrics.num_cached_tokens for i in range(len(requests))]
     verify_steps = sum(s.metrics.num_spec_steps for s in seqs.values())
     accepted = sum(s.metrics.num_accepted_tokens for s in seqs.values())
     engine.accept_length = (accepted + verify_steps) / verify_steps if verify_steps else 0.0
@@ -66,8 +67,9 @@ def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
 
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
-    requests it ran, most requests running at once, accept length), the others (None, their
-    verify steps, requests they ran, 0, 0.0); last, whether the fixed-capacity exchange ran."""
+    requests it ran, most requests running at once, accept length, cached prompt tokens per
+    request), the others (None, their verify steps, requests they ran, 0, 0.0, None); last,
+    whether the fixed-capacity exchange ran."""
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
@@ -82,10 +84,10 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
                 results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
-                                engine.accept_length))
+                                engine.accept_length, engine.cached_tokens))
             else:
                 engine.serve_forever()
-                results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0))
+                results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None))
         results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
@@ -115,7 +117,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
         assert result.error is None, result.error
         assert result.value[-1], "no decode step used the fixed-capacity exchange"
     for i, s in enumerate(scenarios):
-        outputs, spec_steps, placed, _, accept_length = results[0].value[i]
+        outputs, spec_steps, placed, _, accept_length, _ = results[0].value[i]
         expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
         assert outputs == expected, s
         if s["spec"].startswith("mtp"):  # no collapse of the accept length under DP (cf. SGLang #16274)
@@ -230,3 +232,15 @@ def test_idle_rank0_keeps_the_others(paths):
     assert results[0].error is None, results[0].error
     assert results[1].exitcode == 0, results[1].error
     assert results[0].value[0] == expected_outputs(paths, {"spec": "mtp2", "requests": TOGETHER})
+
+
+def test_dp_placement_prefers_the_rank_holding_the_prefix(paths):
+    """Three prompt prefixes, four requests each, all arriving at once on two ranks: rank 0 sends
+    the requests of a prefix where the first went (within its load slack), so each prefix is
+    computed once (three misses; placing by load alone alternates and computes each on both
+    ranks: six); the outputs equal one process's (MTP k=2)."""
+    prefixes = [[7, 3, 9, 1, 4, 4, 8, 2], [50, 51, 52, 53, 54, 55, 56, 57], [90, 1, 90, 2, 90, 3, 90, 4]]
+    requests = [(0, prefix + [10 + i, 20 + j], 5) for i, prefix in enumerate(prefixes) for j in range(4)]
+    results = check_runs(paths, 2, [{"spec": "mtp2", "requests": requests}])
+    cached = results[0].value[0][5]
+    assert sorted(cached) == [0, 0, 0] + [8] * 9, cached

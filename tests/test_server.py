@@ -176,8 +176,32 @@ def test_usage_reports_speculation(client):
     assert 1.0 <= spec["accept_length"] <= 3.0
 
 
+def test_usage_reports_cached_prompt_tokens(client, server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, in both APIs; cache_salt keeps apart."""
+    system = "You are a terse assistant who answers in one line. " * 4
+    first = client.completions.create(model=MODEL, prompt=system + "Q: sum", **GREEDY)
+    again = client.completions.create(model=MODEL, prompt=system + "Q: product", **GREEDY)
+    salted = client.completions.create(model=MODEL, prompt=system + "Q: product", temperature=0.0, max_tokens=10,
+                                       extra_body={"cache_salt": "x"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 4 == 0
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=messages[:1] + [{"role": "user", "content": "bye"}],
+                                          max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0
+    text = httpx.get(f"{server.url}/metrics").text
+    hits = float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith("moespec_prefix_cache_hits_total")))
+    assert hits >= cached
+    assert "moespec_prefix_cache_queries_total" in text
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "a", "cache_salt": ""}, 400, "cache_salt"),
     ({"prompt": "a", "temperature": -1}, 400, "temperature"),
     ({"prompt": "a", "temperature": "0.5"}, 400, "temperature"),
     ({"prompt": "a", "max_tokens": True}, 400, "max_tokens"),

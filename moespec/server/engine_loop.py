@@ -64,6 +64,7 @@ class SeqUsage:
     draft_tokens: int
     accepted_tokens: int
     spec_steps: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -333,7 +334,8 @@ def take_delta(stream: Stream, seq: Sequence) -> Delta:
         m = seq.metrics
         delta = dataclasses.replace(delta, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                                     usage=SeqUsage(len(seq.prompt_ids), len(seq.output_ids), m.num_draft_tokens,
-                                                   m.num_accepted_tokens, m.num_spec_steps))
+                                                   m.num_accepted_tokens, m.num_spec_steps,
+                                                   m.num_cached_tokens or 0))
     return delta
 
 

@@ -19,6 +19,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("moespec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.preemptions = Counter("moespec_preemptions", "Times finished requests were preempted (KV pages ran out)",
                                    registry=r)
+        self.prefix_queries = Counter("moespec_prefix_cache_queries",
+                                      "Prompt tokens of finished requests looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("moespec_prefix_cache_hits",
+                                   "Prompt tokens of finished requests found in the prefix cache", registry=r)
         self.generated_tokens = Counter("moespec_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("moespec_time_to_first_token_seconds", "Arrival to first token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -62,6 +66,9 @@ class ServerMetrics:
     def observe_finished(self, seq: Sequence) -> None:
         self.count_finished(seq.finish_reason or "unknown")
         self.prompt_tokens.inc(len(seq.prompt_ids))
+        if seq.metrics.num_cached_tokens is not None:  # it was scheduled
+            self.prefix_queries.inc(len(seq.prompt_ids))
+            self.prefix_hits.inc(seq.metrics.num_cached_tokens)
         self.preemptions.inc(seq.metrics.num_preemptions)
         if seq.metrics.ttft is not None:
             self.ttft.observe(seq.metrics.ttft)

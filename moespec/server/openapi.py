@@ -51,10 +51,15 @@ class SpeculationUsage(BaseModel):
     accept_length: float | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     speculation: SpeculationUsage
 
 

@@ -71,6 +71,8 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # share cached pages only
+    # with requests of the same salt (tenants that must not learn each other's prompts from timing)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         """max_tokens None: until EOS, a stop or max_model_len (OpenAI's null)."""
@@ -82,7 +84,7 @@ class SamplingRequest(BaseModel):
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logit_bias=bias, ignore_eos=self.ignore_eos, logprobs=logprobs,
                        skip_special_tokens=self.skip_special_tokens,
-                       include_stop_str_in_output=self.include_stop_str_in_output)
+                       include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
         except ValueError as e:

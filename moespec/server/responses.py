@@ -84,10 +84,12 @@ class UsageTotals:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     spec_steps: int = 0
+    n: int = 1
+    cached: dict[int, int] = field(default_factory=dict)  # per prompt: its choices' fewest cached tokens
 
     @classmethod
     def for_request(cls, handle: RequestHandle, n: int) -> UsageTotals:
-        return cls(prompt_tokens=sum(handle.prompt_tokens[::n]))  # each prompt counts once, not once per choice
+        return cls(prompt_tokens=sum(handle.prompt_tokens[::n]), n=n)  # each prompt counts once, not per choice
 
     def add(self, delta: Delta) -> None:
         if delta.usage is None:
@@ -97,11 +99,14 @@ class UsageTotals:
         self.draft_tokens += u.draft_tokens
         self.accepted_tokens += u.accepted_tokens
         self.spec_steps += u.spec_steps
+        prompt = delta.index // self.n
+        self.cached[prompt] = min(self.cached.get(prompt, u.cached_tokens), u.cached_tokens)
 
     def as_dict(self) -> dict:
         accept_length = (self.accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else None
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
                 "speculation": {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                                 "accept_length": accept_length}}
 

@@ -13,6 +13,10 @@ Life of a decode step with speculation (see Engine.run_speculative):
   commit(seqs, ...)     host bookkeeping once accepted lengths are read
   release(seq)          a request finished or was preempted: its draft state is gone
 
+Prefix caching: `kv_tokens(seq)` says which positions of a request its caches hold for good
+(a page is cached with them once they cover it), and `start_at(seq, n)` starts a request
+admitted with n cached positions that its caches hold too.
+
 Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidden.
 """
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Speculator:
 
     mode = "none"
     max_tokens = 0  # the most draft tokens a step may ask for
+    kv_lookahead = 0  # tokens after a position that this mode's KV there depends on
+    kv_from_tokens = True  # can compute its KV of cached pages that lack it from their tokens alone
 
     @property
     def lookahead(self) -> int:
@@ -75,6 +81,13 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         pass
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        """Leading positions of seq whose KV in this mode's caches is final (accepted tokens only)."""
+        return seq.num_tokens
+
+    def start_at(self, seq: Sequence, num_tokens: int) -> None:
+        """seq was admitted with its first num_tokens positions in this mode's caches already."""
 
 
 class DraftRows:

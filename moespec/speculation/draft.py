@@ -32,6 +32,12 @@ class DraftModelSpeculator(Speculator):
     def release(self, seq: Sequence) -> None:
         self.computed.pop(seq.request_id, None)
 
+    def kv_tokens(self, seq: Sequence) -> int:
+        return self.computed.get(seq.request_id, 0)
+
+    def start_at(self, seq: Sequence, num_tokens: int) -> None:
+        self.computed[seq.request_id] = num_tokens
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], k: int, rows: DraftRows) -> Proposal:
         unseen = max(s.num_tokens - self.computed.get(s.request_id, 0) for s in seqs)

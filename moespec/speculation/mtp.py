@@ -48,6 +48,8 @@ class MTPState:
 
 class MTPSpeculator(Speculator):
     mode = "mtp"
+    kv_lookahead = 1  # its KV at position p is computed from token p + 1
+    kv_from_tokens = False  # and from the target's hidden state at p, which a cache hit does not have
 
     def __init__(self, mtp_model, caches, num_tokens: int, max_num_seqs: int, page_size: int, hidden_size: int,
                  dtype: torch.dtype, device, attention_backend: str = "torch") -> None:
@@ -66,6 +68,13 @@ class MTPSpeculator(Speculator):
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        state = self.states.get(seq.request_id)
+        return max(state.computed, 0) if state is not None else 0
+
+    def start_at(self, seq: Sequence, num_tokens: int) -> None:
+        self.states[seq.request_id] = MTPState(computed=num_tokens)
 
     # ------------------------------------------------------------------ memory
 
