@@ -50,8 +50,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
-    hits: list[tuple[Sequence, int]] = field(default_factory=list)  # admitted with cached pages: (seq, tokens
-    # of them whose speculator KV is cached too)
+    # requests admitted with cached pages: (seq, how many of those tokens the speculator's caches hold)
+    hits: list[tuple[Sequence, int]] = field(default_factory=list)
 
     @property
     def mode(self) -> str:

@@ -90,6 +90,7 @@ def shared_prefix_batch(prefix_len: int, count: int = 6) -> list[list[int]]:
 MODES = {
     "none": None,
     "mtp1": {"mode": "mtp", "num_speculative_tokens": 1, "adaptive": False},
+    "mtp2": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False},
     "mtp3": {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": False},
     "draft": {"mode": "draft", "num_speculative_tokens": 4, "adaptive": False},
 }
@@ -157,6 +158,38 @@ def test_hits_under_preemption_and_memory_pressure(deepseek_mtp, llama_pair, mod
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert sum(o.num_cached_tokens > 0 for o in got) >= 8
     assert llm.engine.allocator.num_cached > 0  # idle: pages are free or cached (conftest: none used)
+
+
+@pytest.mark.parametrize("mode", ["mtp2", "draft"])
+def test_hits_with_chunked_prefill(deepseek_mtp, llama_pair, mode):
+    """Prefill chunks of 6 tokens: the rest after a hit is chunked too, and pages are published
+    (and waited for) chunk by chunk."""
+    path, spec = model_for(mode, deepseek_mtp, llama_pair)
+    batch = shared_prefix_batch(26, count=4)
+    ref, _ = run(path, spec, batch, caching=False, max_num_batched_tokens=6)
+    got, _ = run(path, spec, batch, max_num_batched_tokens=6)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.num_cached_tokens >= 20 for o in got[1:])
+
+
+def test_abort_lets_shared_pages_go_and_keeps_them_cached(deepseek_mtp):
+    """Aborting requests mid-prefill and mid-decode frees their own pages, leaves the pages they
+    share with others in use, and what they computed stays cached for a later request."""
+    llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=64, max_num_batched_tokens=8,
+              speculation=MODES["mtp1"])
+    engine, prefix = llm.engine, tokens(16, seed=9)
+    seqs = [engine.add_request(prefix + tokens(6, seed=30 + i), GREEDY) for i in range(3)]
+    for _ in range(4):
+        engine.step()
+    assert seqs[0].output_ids and not seqs[2].output_ids  # one decodes, one still prefills
+    engine.abort(seqs[0].request_id)
+    engine.abort(seqs[2].request_id)
+    assert not seqs[0].pages and not seqs[2].pages
+    assert all(engine.allocator.refs[p] == 1 for p in seqs[1].pages)  # only its own user left
+    while engine.has_unfinished():
+        engine.step()
+    later = llm.generate([prefix + tokens(6, seed=30)], GREEDY, use_tqdm=False)[0]
+    assert later.num_cached_tokens == 20  # the aborted request's prompt pages (its 22nd token: not a page)
 
 
 def test_n_completions_share_their_prompt_pages(deepseek_mtp):

@@ -12,6 +12,9 @@ predicts token i+2; it shares the target's page ids (and, right after verificati
   MTP layer runs over those whose next token is known. The rest catch up in `propose`. So
   between steps a running request holds at most 1 + K hidden states, whatever the KV capacity.
 - k > 1 chains the layer on its own hidden states.
+- Prefix caching: the layer's KV at position p reads token p + 1, so a cached page's key
+  includes the token after it (`kv_lookahead`); a hit then holds exact MTP KV, and the layer
+  starts at the first uncached position like after any prefill chunk (`start_at`).
 
 Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidden.
 """
