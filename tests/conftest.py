@@ -12,6 +12,25 @@ from moespec.engine import Engine  # noqa: E402
 _engines: list[Engine] = []
 
 
+@pytest.fixture(scope="session")
+def deepseek_mtp(tmp_path_factory):
+    """A random tiny DeepSeek-V3 with an MTP layer (vocab 120, 128 positions)."""
+    from tiny_models import save_tiny_deepseek
+    path = tmp_path_factory.mktemp("ds-mtp")
+    save_tiny_deepseek(path, mtp=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    """A random tiny Llama target and a smaller draft with the same vocabulary."""
+    from tiny_models import save_tiny_llama
+    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
+    save_tiny_llama(target)
+    save_tiny_llama(draft, seed=1, layers=1, hidden=32)
+    return str(target), str(draft)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pages(monkeypatch):
     """After every test, every engine it built has finished its requests and every KV page is free or

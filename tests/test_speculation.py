@@ -8,22 +8,6 @@ from scipy import stats
 
 from moespec import LLM, SamplingParams
 from moespec.speculation.verify import verify_lossless
-from tiny_models import save_tiny_deepseek, save_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def deepseek_mtp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ds-mtp")
-    save_tiny_deepseek(path, mtp=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def llama_pair(tmp_path_factory):
-    target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
-    save_tiny_llama(target)
-    save_tiny_llama(draft, seed=1, layers=1, hidden=32)
-    return str(target), str(draft)
 
 
 def prompts(lengths, vocab=120, seed=0):
