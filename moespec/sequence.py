@@ -70,6 +70,7 @@ class Sequence:
     detokenizer: object | None = None
     stop_checker: object | None = None
     streamable_chars: int = 0  # text[:streamable_chars] can be streamed (no partial stop string)
+    grammar: object | None = None  # structured.GrammarState: the grammar has seen output_ids
 
     @property
     def num_tokens(self) -> int:
