@@ -364,3 +364,109 @@ def test_a_model_without_tokenizer_refuses_structured_requests(tmp_path):
         llm.generate([[1, 2, 3]], SamplingParams(structured={"regex": "a+"}), use_tqdm=False)
     assert not llm.engine.has_unfinished()
 
+
+# ---------------------------------------------------------------------- HTTP server
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The committed tiny DeepSeek-V3 with its MTP layer (k=2) behind the OpenAI API."""
+    import openai
+
+    from moespec.config import build_config
+    from moespec.engine import Engine
+    from moespec.server import create_app
+    from test_server import RunningServer
+    config = build_config({}, {"model": DEEPSEEK, "dtype": "float32", "served_model_name": "tiny", "page_size": 16,
+                               "num_kv_pages": 256, "max_num_seqs": 16,
+                               "speculation": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}})
+    engine = Engine(config)
+    with RunningServer(engine, create_app(engine, "tiny")) as running:
+        yield running, openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_response_format_json_schema_through_the_openai_client(served):
+    """As a user of the official client would ask for it: a json_schema response format, a
+    pydantic model through `parse`, streaming, and the legacy completions API."""
+    import pydantic
+    server, client = served
+    messages = [{"role": "user", "content": "Describe a Python module as JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, temperature=1.0, seed=i, max_completion_tokens=MAX_TOKENS,
+            response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        assert out.usage.speculation["accept_length"] > 1  # extra usage field of this server
+
+    class Module(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=10)
+        kind: str = pydantic.Field(pattern="^(module|package)$")
+        lines: int = pydantic.Field(ge=0, le=999)
+
+    parsed = client.chat.completions.parse(model="tiny", messages=messages, temperature=0.0, response_format=Module,
+                                           max_completion_tokens=MAX_TOKENS)
+    assert isinstance(parsed.choices[0].message.parsed, Module)
+
+    text, finish = "", None
+    for chunk in client.chat.completions.create(
+            model="tiny", messages=messages, temperature=1.0, max_completion_tokens=MAX_TOKENS, stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "items", "schema": SCHEMAS[1]}}):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+    completion = client.completions.create(model="tiny", prompt="config = ", max_tokens=MAX_TOKENS, temperature=0.0,
+                                           extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                               "name": "status", "schema": SCHEMAS[2]}}})
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMAS[2])
+    server.wait_idle()
+
+
+def test_structured_outputs_and_guided_fields(served):
+    server, client = served
+    ask = dict(model="tiny", prompt="answer = ", max_tokens=32, temperature=1.0, n=3)
+    choice = client.completions.create(**ask, extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in choice.choices)
+    regex = client.completions.create(**ask, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", c.text) for c in regex.choices)
+    grammar = client.completions.create(**ask, extra_body={"guided_grammar": 'root ::= "x" [0-9] | "y"'})
+    assert all(re.fullmatch("x[0-9]|y", c.text) for c in grammar.choices)
+    guided = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_completion_tokens=MAX_TOKENS, extra_body={"guided_json": SCHEMAS[0]})
+    jsonschema.validate(json.loads(guided.choices[0].message.content), SCHEMAS[0])
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_completion_tokens=MAX_TOKENS, temperature=0.0,
+                                           response_format={"type": "json_object"})
+    if plain.choices[0].finish_reason == "stop":  # any object: it may be cut short at max_tokens
+        assert isinstance(json.loads(plain.choices[0].message.content), dict)
+    else:
+        assert plain.choices[0].message.content.startswith("{")
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", 'Unsupported type "nonsense"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "parenthesis is not closed"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"guided_grammar": "root ::= foo"}, "guided_grammar", 'Rule "foo" is not defined'),
+    ({"guided_choice": []}, "guided_choice", "at least one"),
+    ({"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex", "give one"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "must be 0 with structured outputs"),
+])
+def test_bad_constraints_are_400s_naming_the_param(served, extra, param, message):
+    import openai
+    server, client = served
+    for call in (lambda: client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=extra),
+                 lambda: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                        max_completion_tokens=4, extra_body=extra)):
+        with pytest.raises(openai.BadRequestError) as error:
+            call()
+        body = error.value.body
+        assert error.value.status_code == 400 and body["param"] == param and message in body["message"], body
