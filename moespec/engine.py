@@ -452,7 +452,7 @@ class Engine:
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
         self.speculator.observe(prepared.scheduled.chunks, batch, hidden)
         self.phase = "verification"
-        target_rows = rows.target_batch(proposal.tokens)  # grammar masks fill here while the forward runs
+        target_rows = rows.target_batch(proposal.tokens)  # the last grammar row is filled after the forward is launched
         result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))
         self.phase = f"{self.speculator.mode} accept"
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)

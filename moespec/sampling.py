@@ -12,6 +12,11 @@ speculation mode can change it: a draft token is accepted exactly when it equals
 own keyed draw (see speculation/verify.py). Unseeded requests draw from the engine's shared
 generator (inverse CDF), and speculation verifies them by rejection sampling.
 
+A request with a grammar (SamplingParams.structured, structured.py) samples under its mask:
+`SamplingBatch.constrained` takes the rows' packed bitmasks, and `apply_penalties` sets the
+logits of disallowed tokens to -inf, so greedy, seeded and random rows and both sides of
+speculative verification all see the constrained distribution. Logprobs stay the raw model's.
+
 Shapes: N rows of logits (one per request in a decode step; one per position when
 verifying drafts), V vocab.
 """

@@ -394,7 +394,8 @@ def test_response_format_json_schema_through_the_openai_client(served):
     for i, schema in enumerate(SCHEMAS):
         out = client.chat.completions.create(
             model="tiny", messages=messages, temperature=1.0, seed=i, max_completion_tokens=MAX_TOKENS,
-            response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}})
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "record", "schema": schema, "strict": True}})
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
         assert out.usage.speculation["accept_length"] > 1  # extra usage field of this server
@@ -450,7 +451,8 @@ def test_structured_outputs_and_guided_fields(served):
 @pytest.mark.parametrize("extra, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format", 'Unsupported type "nonsense"'),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "needs json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format", ""),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "parenthesis is not closed"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
