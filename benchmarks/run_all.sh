@@ -34,6 +34,8 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:2,
     --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive-fixed-length.json
 # seeded requests (exact match with the target's keyed draw) against rejection sampling
 $PY benchmarks/bench_seeded_acceptance.py --threads "$THREADS" --out docs/bench/seeded-acceptance.json
+# structured outputs: a JSON schema's cost per step, constrained against unconstrained
+$PY benchmarks/bench_structured.py --threads "$THREADS" --repeats 9 --out docs/bench/structured.json
 # where a step's time goes
 PROFILE="$PY benchmarks/profile_spec_step.py --threads $THREADS"
 $PROFILE --model checkpoints/tiny-llama --out docs/bench/profile-tiny-llama-none.json

@@ -1,7 +1,8 @@
 """moespec: serving DeepSeek-V3-class MoE models and Llama with lossless speculative decoding."""
 from moespec.sampling import SamplingParams
+from moespec.structured import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs"]
 __version__ = "0.1.0"
 
 

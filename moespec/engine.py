@@ -37,6 +37,7 @@ from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
                                  verify_relaxed)
 from moespec.speculation.adaptive import SpeculationPolicy
+from moespec.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class Engine:
         offset = ranks.ctx.ep_rank if ranks is not None and ranks.dp else 0
         self.generator = torch.Generator().manual_seed(c.model.seed + offset)
         self.eos_ids = self.resolve_eos_ids()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)  # structured outputs
         self.sequences: dict[str, Sequence] = {}
         self.stats = StepStats()
         self.ids = itertools.count()
@@ -253,6 +255,8 @@ class Engine:
         seq.metrics.num_prompt_tokens = len(prompt_ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -430,9 +434,11 @@ class Engine:
         return EngineOutputs(outputs.updated + changed)
 
     def build_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                   [s.output_ids for s in seqs], self.vocab_size, self.runner.device,
-                                   eos_token_ids=tuple(self.eos_ids), shared_generator=self.generator)
+        batch = SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                    [s.output_ids for s in seqs], self.vocab_size, self.runner.device,
+                                    eos_token_ids=tuple(self.eos_ids), shared_generator=self.generator)
+        states = [s.grammar for s in seqs]
+        return batch.constrained(self.grammars.masks(states), self.vocab_size) if any(states) else batch
 
     def execute(self, prepared: PreparedStep) -> SamplerOutput:
         self.phase = f"target forward ({prepared.batch.mode})"
@@ -447,7 +453,7 @@ class Engine:
         """propose k -> target verifies 1+k per request -> accept (tensors) -> host appends."""
         start = time.perf_counter()
         seqs, k = prepared.sampled, prepared.num_spec
-        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
+        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
         self.phase = f"{self.speculator.mode} propose"
         proposal = self.speculator.propose(seqs, k, rows)
         plan = prepared.plan
@@ -459,7 +465,7 @@ class Engine:
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
         self.speculator.observe(prepared.scheduled.chunks, batch, hidden)
         self.phase = "verification"
-        target_rows = rows.batch(list(proposal.tokens.unbind(1)), repeat=k + 1)
+        target_rows = rows.target_batch(proposal.tokens)  # the last grammar row is filled after the forward is launched
         result = self.verify(logits, target_rows, proposal, self.draw_verify_uniforms(seqs, rows, k))
         self.phase = f"{self.speculator.mode} accept"
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
@@ -550,6 +556,11 @@ class Engine:
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         for token, lp in zip(tokens, logprobs):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                logger.warning("request %s: its grammar allows no token after %d output tokens; ending it",
+                               seq.request_id, len(seq.output_ids))
+                self.finish(seq, "abort")
+                return
             seq.output_ids.append(token)
             seq.metrics.num_generated_tokens += 1
             if lp is not None:
@@ -577,6 +588,8 @@ class Engine:
             if check.stopped:
                 seq.stop_reason = seq.stop_checker.find_first(seq.detokenizer.text, 0)[1]
                 return "stop"
+        if seq.grammar is not None and seq.grammar.terminated:  # it accepted EOS, with ignore_eos too
+            return "stop"
         if params.max_tokens is not None and len(seq.output_ids) >= params.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:

@@ -12,6 +12,11 @@ speculation mode can change it: a draft token is accepted exactly when it equals
 own keyed draw (see speculation/verify.py). Unseeded requests draw from the engine's shared
 generator (inverse CDF), and speculation verifies them by rejection sampling.
 
+A request with a grammar (SamplingParams.structured, structured.py) samples under its mask:
+`SamplingBatch.constrained` takes the rows' packed bitmasks, and `apply_penalties` sets the
+logits of disallowed tokens to -inf, so greedy, seeded and random rows and both sides of
+speculative verification all see the constrained distribution. Logprobs stay the raw model's.
+
 Shapes: N rows of logits (one per request in a decode step; one per position when
 verifying drafts), V vocab.
 """
@@ -22,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Sequence
 
 import torch
+
+from moespec.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
@@ -49,11 +56,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # requests share cached KV pages only with requests of the same salt
+    structured: StructuredOutputs | None = None  # a grammar every output token follows (a dict of its fields too)
 
     def __post_init__(self) -> None:
         # Frozen: normalization has to go through object.__setattr__.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        if self.structured is not None:
+            object.__setattr__(self, "structured", _as_structured(self.structured))
         if self.logit_bias is not None:  # a private copy: later edits by the caller can't leak in
             object.__setattr__(self, "logit_bias", _as_bias(self.logit_bias))
         self._validate()
@@ -90,6 +100,8 @@ class SamplingParams:
                  f"must be None or in [0, {MAX_LOGPROBS}]")
         _require(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
                  self.cache_salt, "must be a non-empty string or None")
+        _require(self.structured is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+                 "must be 0 with structured outputs (the grammar decides where the output ends)")
 
 
 def _as_tuple(value: object) -> tuple | None:
@@ -105,6 +117,13 @@ def _as_bias(bias: dict) -> dict[int, float]:
         return {int(t): float(b) for t, b in bias.items()}
     except (TypeError, ValueError) as e:
         raise ValueError(f"SamplingParams.logit_bias={bias!r}: must map token ids to numbers") from e
+
+
+def _as_structured(value: object) -> StructuredOutputs:
+    try:
+        return StructuredOutputs.of(value)
+    except ValueError as e:
+        raise ValueError(f"SamplingParams.structured: {e}") from None
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
@@ -186,6 +205,7 @@ class SamplingBatch:
     logit_bias: torch.Tensor | None  # [N,V] float32
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) held back by min_tokens
     num_logprobs: tuple[int | None, ...]  # per row
+    allowed: torch.Tensor | None = None  # [N,V] bool, what each row's grammar allows; None: no grammar
 
     @classmethod
     def build(
@@ -239,6 +259,10 @@ class SamplingBatch:
             banned=_banned_tokens(params, output_ids, eos_token_ids, device),
             num_logprobs=tuple(p.logprobs for p in params),
         )
+
+    def constrained(self, bitmask: torch.Tensor, vocab_size: int) -> SamplingBatch:
+        """The same rows under grammar masks: bitmask [N, W] int32, packed on the host (structured.py)."""
+        return replace(self, allowed=unpack_bitmask(bitmask.to(self.device, non_blocking=True), vocab_size))
 
     def advanced(self, steps: int) -> SamplingBatch:
         """The same rows, each drawing the token `steps` positions further on (a draft chain)."""
@@ -310,8 +334,22 @@ def _banned_tokens(params: list[SamplingParams], output_ids: list[list[int]], eo
     return rows, ids
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32, bit b of word w allowing token 32w + b -> [N, V] bool. A row that allows no
+    token at all (a grammar at a dead end) allows every token instead: the engine ends its request
+    when the grammar refuses what it draws."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab_size].bool()  # [N, V]
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, repetition/frequency/presence penalties, min_tokens; [N,V] float32, out of place."""
+    """logit_bias, repetition/frequency/presence penalties, min_tokens, then the grammar mask;
+    [N,V] float32, out of place.
+
+    The grammar mask comes after the transforms that change logits and before those that select
+    tokens by rank or mass (top-k, top-p, min-p in compute_probs), so they choose among the
+    tokens the grammar allows and never leave a row empty."""
     logits = logits.float()  # [N,V]; float() copies only when the model's dtype differs
     if batch.logit_bias is not None:
         logits = logits + batch.logit_bias
@@ -325,6 +363,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
     return logits
 
 
@@ -443,7 +483,7 @@ def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                      num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw-model logprobs (before any sampling transform), float32.
+    """Raw-model logprobs (before any sampling transform, the grammar mask included), float32.
 
     Returns the chosen tokens' logprobs [N], and the top num_top ids [N,num_top] with their
     logprobs [N,num_top], sorted by logprob, highest first.

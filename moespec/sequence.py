@@ -74,6 +74,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages (PageKeys)
     num_published: int = 0  # leading pages published to the prefix cache (or found there)
     num_ready: int = 0  # leading pages whose speculator KV is in the cache too
+    grammar: object | None = None  # structured.GrammarState: the grammar has seen output_ids
 
     @property
     def num_tokens(self) -> int:

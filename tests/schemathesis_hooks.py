@@ -36,7 +36,20 @@ def satisfies_described_constraints(body: dict, chat: bool) -> bool:
         return False
     if any(int(token) >= VOCAB_SIZE for token in (body.get("logit_bias") or {})):
         return False
+    if not structured_output_compiles(body):
+        return False
     return all(0 < n < MAX_MODEL_LEN for n in prompt_lengths(body, chat))
+
+
+def structured_output_compiles(body: dict) -> bool:
+    """At most one structured-output field, one that compiles, and min_tokens 0 beside it."""
+    from moespec.server.errors import ApiError
+    from moespec.server.protocol import CompletionRequest
+    try:
+        grammar = CompletionRequest.model_validate({**body, "prompt": "x"}).grammar()
+    except (ApiError, ValueError):  # pydantic's ValidationError is a ValueError
+        return False
+    return grammar is None or not body.get("min_tokens")
 
 
 def prompt_lengths(body: dict, chat: bool) -> list[int]:

@@ -31,7 +31,7 @@ from moespec.server.gate import RequestGate
 from moespec.server.limits import RequestLimits
 from moespec.server.metrics import ServerMetrics
 from moespec.server.openapi import install_openapi
-from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt
+from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar
 from moespec.server.responses import (SSE_DONE, Choice, TokenNames, UsageTotals, chat_choice, chat_logprobs,
                                       completion_choice, completion_logprobs, sse)
 
@@ -54,10 +54,12 @@ class ServerState:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
                            "model_not_found")
 
-    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> RequestHandle:
-        """Tokenize in a worker thread, then hand the token ids to the engine thread."""
+    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
+                     grammar: RequestGrammar | None = None) -> RequestHandle:
+        """Tokenize (and compile the grammar) in a worker thread, then hand the token ids to the
+        engine thread."""
         try:
-            ids = await run_in_threadpool(self.tokenize, prompts)
+            ids = await run_in_threadpool(self.tokenize, prompts, grammar)
             return await self.loop.add(request_id, ids, params)
         except Overloaded as e:
             raise ApiError(429, str(e), code="too_many_waiting_requests") from None
@@ -66,8 +68,14 @@ class ServerState:
         except ValueError as e:
             raise bad_request(e) from None
 
-    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
-        """Token ids of every prompt; the text ones are checked here, the others were already."""
+    def tokenize(self, prompts: list[Prompt], grammar: RequestGrammar | None = None) -> list[list[int]]:
+        """Token ids of every prompt; the text ones are checked here, the others were already.
+        A grammar is compiled here too: the engine thread then finds it in the grammar cache."""
+        if grammar is not None:
+            try:
+                self.engine.grammars.compile(grammar.spec)
+            except ValueError as e:
+                raise ApiError(400, f"{grammar.param}: {getattr(e, 'reason', e)}", grammar.param) from None
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = encode_texts(self.engine.tokenizer, texts)
         for ids in encoded:
@@ -170,9 +178,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     server.limits.check_n(body.n or 1, len(prompts))
     server.limits.check_prompts(prompts)
-    params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size)
+    grammar = body.grammar()
+    params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size, grammar)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    handle = await server.submit(request_id, prompts, params)
+    handle = await server.submit(request_id, prompts, params, grammar)
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         chunks = stream_completion(server, handle, header, body.logprobs is not None, body.include_usage, params.n)
@@ -190,10 +199,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     server.limits.check_n(body.n or 1, 1)
     server.limits.check_messages(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size)
+    grammar = body.grammar()
+    params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size, grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = await run_in_threadpool(render_chat, server, body)
-    handle = await server.submit(request_id, [prompt], params)
+    handle = await server.submit(request_id, [prompt], params, grammar)
     header = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         header["object"] = "chat.completion.chunk"

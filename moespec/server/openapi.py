@@ -143,8 +143,16 @@ SSE_EVENT = {  # one server-sent event (stream: true); its data is a JSON chunk,
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "A chunk object as JSON, or [DONE] at the end"},
                    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+ONE_GRAMMAR = "At most one of response_format, structured_outputs and the guided_* fields constrains a request."
 CROSS_FIELD = {
-    "min_tokens": "At most max_tokens (max_completion_tokens for chat).",
+    "min_tokens": "At most max_tokens (max_completion_tokens for chat); 0 with a structured output.",
+    "response_format": "json_schema needs json_schema.schema, a JSON schema that xgrammar compiles. " + ONE_GRAMMAR,
+    "structured_outputs": "Exactly one of json (a JSON schema), json_object, regex, choice, grammar (EBNF with a "
+                          "root rule named root); it must compile with xgrammar. " + ONE_GRAMMAR,
+    "guided_json": "A JSON schema that xgrammar compiles (structured_outputs.json). " + ONE_GRAMMAR,
+    "guided_regex": "A regex that xgrammar compiles (structured_outputs.regex). " + ONE_GRAMMAR,
+    "guided_choice": "Non-empty strings (structured_outputs.choice). " + ONE_GRAMMAR,
+    "guided_grammar": "EBNF that xgrammar compiles (structured_outputs.grammar). " + ONE_GRAMMAR,
     "logit_bias": "Keys are token ids in [0, vocab size) written as decimal strings.",
     "top_logprobs": "Needs logprobs: true.",
     "prompt": "Text must tokenize to fewer than max_model_len tokens.",

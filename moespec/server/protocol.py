@@ -7,12 +7,13 @@ in limits.py, and both appear in the OpenAPI schema (openapi.py).
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from moespec.sampling import MAX_LOGPROBS, SamplingParams
 from moespec.server.errors import ApiError, bad_request
+from moespec.structured import GrammarError, StructuredOutputs
 
 Prompt = str | list[int]
 MAX_STOP_STRINGS = 16  # each one is searched for after every token
@@ -45,6 +46,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = STRICT
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> dict:
+        given = {"json": self.json_, "json_object": self.json_object, "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar}
+        return {name: value for name, value in given.items() if value is not None and value is not False}
+
+
+class RequestGrammar(NamedTuple):
+    spec: StructuredOutputs
+    param: str  # the request field it came from, named by errors
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
@@ -73,8 +114,37 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # share cached pages only
     # with requests of the same salt (tenants that must not learn each other's prompts from timing)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def grammar(self) -> RequestGrammar | None:
+        """The one structured-output constraint the request gives, if any (a 400 naming the field
+        when it does not parse, or when several fields give one)."""
+        given = [(param, constraint) for param, constraint in self.constraints() if constraint]
+        if not given:
+            return None
+        if len(given) > 1:
+            names = " and ".join(param for param, _ in given)
+            raise ApiError(400, f"{given[1][0]}: {names} both constrain the output; give one", given[1][0])
+        param, constraint = given[0]
+        try:
+            return RequestGrammar(StructuredOutputs(**constraint), param)
+        except GrammarError as e:
+            raise ApiError(400, f"{param}: {e.reason}", param) from None
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        return [("response_format", response_format_constraint(self.response_format)),
+                ("structured_outputs", self.structured_outputs.constraint() if self.structured_outputs else {}),
+                *((f"guided_{kind}", {kind: value}) for kind, value in guided.items() if value is not None)]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                        grammar: RequestGrammar | None = None) -> SamplingParams:
         """max_tokens None: until EOS, a stop or max_model_len (OpenAI's null)."""
         bias = parse_logit_bias(self.logit_bias, vocab_size)
         check_vocab("stop_token_ids", self.stop_token_ids or [], vocab_size)
@@ -84,7 +154,8 @@ class SamplingRequest(BaseModel):
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logit_bias=bias, ignore_eos=self.ignore_eos, logprobs=logprobs,
                        skip_special_tokens=self.skip_special_tokens,
-                       include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt)
+                       include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
+                       structured=grammar.spec if grammar else None)
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
         except ValueError as e:
@@ -93,6 +164,16 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def response_format_constraint(response_format: ResponseFormat | None) -> dict:
+    if response_format is None or response_format.type == "text":
+        return {}
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise ApiError(400, "response_format: type json_schema needs json_schema.schema", "response_format")
+    return {"json": response_format.json_schema.schema_}
 
 
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

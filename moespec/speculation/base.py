@@ -29,6 +29,7 @@ from moespec.batch import Batch
 from moespec.sampling import SamplingBatch, compute_probs, sample
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
+from moespec.structured import DraftMasks, Grammars
 
 
 @dataclass
@@ -96,7 +97,7 @@ class DraftRows:
     is the noise the target draws with there: the draft token is accepted when both agree."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int, device, eos_ids: tuple[int, ...],
-                 shared_generator: torch.Generator) -> None:
+                 shared_generator: torch.Generator, grammars: Grammars | None = None) -> None:
         self.seqs, self.vocab_size, self.device = seqs, vocab_size, device
         self.eos_ids, self.shared_generator = eos_ids, shared_generator
         self.needs_values = any(s.params.repetition_penalty != 1 or s.params.frequency_penalty
@@ -104,6 +105,8 @@ class DraftRows:
         # without penalties and past min_tokens, the drafts so far do not change a draft row
         self.drafts_matter = self.needs_values or any(len(s.output_ids) < s.params.min_tokens for s in seqs)
         self.draft_rows: SamplingBatch | None = None
+        states = [s.grammar for s in seqs]
+        self.masks = DraftMasks(grammars, states) if grammars is not None and any(states) else None
 
     def batch(self, drafts: list[torch.Tensor], repeat: int = 1) -> SamplingBatch:
         """Rows for each sequence (repeated `repeat` times) with drafts[:j] appended for row j."""
@@ -126,9 +129,17 @@ class DraftRows:
         return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
                                    eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
 
+    def target_batch(self, drafts: torch.Tensor) -> SamplingBatch:
+        """Rows for the target's 1 + K verify positions of each request, for drafts [B, K]."""
+        rows = self.batch(list(drafts.unbind(1)), repeat=drafts.shape[1] + 1)
+        return rows if self.masks is None else rows.constrained(self.masks.verify_rows(drafts), self.vocab_size)
+
     def draw(self, logits: torch.Tensor, drafts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample the next draft token from draft logits [B, V] -> (tokens [B], probs [B, V])."""
+        """Sample the next draft token from draft logits [B, V] -> (tokens [B], probs [B, V]),
+        under each request's grammar advanced over its drafts so far."""
         sampling = self.batch(drafts)
+        if self.masks is not None:
+            sampling = sampling.constrained(self.masks.draft_row(drafts), self.vocab_size)
         probs = compute_probs(logits.float(), sampling)
         return sample(probs, sampling), probs
 
