@@ -99,6 +99,11 @@ class PageAllocator:
             pages.append(page)
         return pages
 
+    def can_take(self, cached: list[int], num_new: int) -> bool:
+        """Whether a request can use these cached pages and num_new more (taking an unused cached
+        page leaves one page fewer to allocate)."""
+        return self.can_allocate(num_new + sum(self.refs[page] == 0 for page in cached))
+
     def take(self, pages: list[int]) -> None:
         """A request uses these cached pages."""
         for page in pages:

@@ -149,6 +149,8 @@ class Scheduler:
 
     def admit_waiting(self, budget: int, lookahead: int) -> tuple[list[ScheduledChunk], list]:
         chunks, hits = [], []
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return chunks, hits  # the common decode step: nothing to admit, no keys to gather
         computing = self.computing_keys()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -164,7 +166,7 @@ class Scheduler:
             start = len(cached) * self.allocator.page_size
             extra = lookahead if start + num == seq.num_tokens else 0  # a draft writes one token past the prompt
             need = self.allocator.pages_for(min(start + num + extra, self.max_model_len)) - len(cached)
-            if not self.allocator.can_allocate(need + sum(self.allocator.refs[p] == 0 for p in cached)):
+            if not self.allocator.can_take(cached, need):
                 break
             self.admit(seq, cached, need, spec_tokens)
             computing.update(seq.page_keys[len(cached):])
