@@ -1,13 +1,15 @@
 """Decode throughput of the engine (no speculation) against transformers' `generate` on the
-same checkpoint, side by side in one run, greedy, float32.
+same checkpoint, side by side in one run, greedy, float32; with --compile, also the engine
+with static steps compiled (model.compile), compiled before measuring (compile_s).
 
   .venv/bin/python benchmarks/bench_engine.py --model checkpoints/tiny-deepseek-v3 \
-      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--profile] [--out docs/bench-engine.json]
+      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--compile] [--profile] [--out docs/bench-engine.json]
 
-Both sides generate `max-tokens` tokens for the same prompts; tokens/s counts generated tokens
-over wall time of the whole call (prefill included, as a user sees it). The engine's decode-step
-host share (scheduling, batch packing, attention planning, sampling tensors, postprocess) comes
-from its per-phase timers.
+Every side generates `max-tokens` tokens for the same prompts, after the same warm-up; the sides
+take turns in each repeat and each reports the median, its speedup the median of the per-repeat
+ratios. Tokens/s counts generated tokens over wall time of the whole call (prefill included, as
+a user sees it). The engine's decode-step host share (scheduling, batch packing, attention
+planning, sampling tensors, postprocess) comes from its per-phase timers.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import io
 import json
 import platform
 import pstats
+import statistics
 import time
 from datetime import date
 
@@ -70,7 +73,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N per side")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median per side")
+    parser.add_argument("--compile", action="store_true",
+                        help="also the engine with model.compile (static steps through torch.compile)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the engine at the last batch size")
     parser.add_argument("--out", default=None, help="write results as JSON")
@@ -78,27 +83,46 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    llm = LLM(model=args.model, dtype="float32", page_size=16, num_kv_pages=512, max_num_seqs=64)
-    vocab = llm.engine.vocab_size
+    options = dict(model=args.model, dtype="float32", page_size=16, num_kv_pages=512, max_num_seqs=max(args.batch_sizes))
+    engines = {"eager": LLM(**options)}
+    compile_s = None
+    if args.compile:  # static steps at exactly the measured batch sizes, compiled before measuring
+        engines["compiled"] = LLM(**options, compile=True, compile_batch_sizes=args.batch_sizes)
+        compile_s = round(engines["compiled"].engine.warm_up(), 1)
+        print(json.dumps({"compile_s": compile_s}), flush=True)
+    vocab = engines["eager"].engine.vocab_size
     results = []
     for batch in args.batch_sizes:
         prompts = make_prompts(batch, args.prompt_len, vocab)
-        time_engine(llm, prompts, 4)  # warm-up both sides
-        time_hf(hf, prompts, 4)
-        hf_s = min(time_hf(hf, prompts, args.max_tokens) for _ in range(args.repeats))
-        runs = [time_engine(llm, prompts, args.max_tokens) for _ in range(args.repeats)]
-        ours_s, info = min(runs, key=lambda r: r[0])
+        time_hf(hf, prompts, 4)  # the same warm-up for every side
+        for llm in engines.values():
+            time_engine(llm, prompts, 4)
+        seconds = {name: [] for name in ("hf", *engines)}
+        info = {}
+        for _ in range(args.repeats):  # interleaved: a slow phase of the machine hits every side
+            seconds["hf"].append(time_hf(hf, prompts, args.max_tokens))
+            for name, llm in engines.items():
+                elapsed, info[name] = time_engine(llm, prompts, args.max_tokens)
+                seconds[name].append(elapsed)
         tokens = batch * args.max_tokens
-        row = {"batch": batch, "ours_tok_s": round(tokens / ours_s, 1), "hf_tok_s": round(tokens / hf_s, 1),
-               "speedup": round(hf_s / ours_s, 2), **info}
+        row = {"batch": batch, "hf_tok_s": round(tokens / statistics.median(seconds["hf"]), 1)}
+        for name in engines:
+            row[f"{name}_tok_s"] = round(tokens / statistics.median(seconds[name]), 1)
+            row[f"{name}_speedup"] = round(statistics.median(h / o for h, o in zip(seconds["hf"], seconds[name])), 2)
+            row[f"{name}_decode"] = info[name]
+        if "compiled" in engines:
+            row["compiled_over_eager"] = round(statistics.median(
+                e / c for e, c in zip(seconds["eager"], seconds["compiled"])), 2)
         results.append(row)
         print(json.dumps(row), flush=True)
+    llm = engines["eager"]
     if args.profile:
         print(profile_decode(llm, make_prompts(args.batch_sizes[-1], args.prompt_len, vocab), args.max_tokens))
     if args.out:
         report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
                   "torch": torch.__version__, "model": args.model, "prompt_len": args.prompt_len,
-                  "max_tokens": args.max_tokens, "results": results}
+                  "max_tokens": args.max_tokens, "repeats": args.repeats, "statistic": "median of interleaved repeats",
+                  "compile_s": compile_s, "results": results}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

@@ -102,7 +102,8 @@ class LocalExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         few = x.shape[0] * topk_ids.shape[1] <= self.dense_pairs_per_expert * self.num_local
-        if few and self.w13_scale_inv is None:
+        # a compiled step (moespec.static_step) must not read counts on the host: fixed shapes
+        if (few or torch.compiler.is_compiling()) and self.w13_scale_inv is None:
             return self.forward_dense(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
 

@@ -21,6 +21,10 @@ With --shared-prefix N every prompt is one shared N-token system prompt followed
 --prompt-len tokens (a chat service's traffic), and --prefix-caching both runs every mode with
 the prefix cache on and off side by side (off: labelled `<mode>/no-cache`), reporting TTFT,
 the share of prompt tokens served from the cache and the accept length of each.
+
+--compile both runs every mode eager and with static steps compiled (model.compile; labelled
+`<mode>/compiled`) side by side; the compiling happens before the measurement (Engine.warm_up,
+every bucket up to the batch size) and its time is reported as compile_s.
 """
 from __future__ import annotations
 
@@ -63,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every prompt starts with the same N tokens (a system prompt)")
     parser.add_argument("--prefix-caching", choices=["config", "on", "off", "both"], default="config",
                         help="both: every mode with the prefix cache on and off (labelled <mode>/no-cache)")
+    parser.add_argument("--compile", choices=["config", "on", "off", "both"], default="config",
+                        help="static steps through torch.compile (model.compile); both: every mode compiled and "
+                             "eager side by side (compiled: labelled <mode>/compiled); compiling happens in the "
+                             "warm-up and is reported as compile_s")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="bench-results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
@@ -76,6 +84,11 @@ def parse_mode(text: str) -> tuple[str, dict]:
     if k:
         spec["num_speculative_tokens"] = int(k)
     return text, spec
+
+
+def switch_values(choice: str, configured: bool) -> list[bool]:
+    """A --prefix-caching / --compile choice as the settings to run: config, on, off or both."""
+    return {"config": [configured], "on": [True], "off": [False], "both": [True, False]}[choice]
 
 
 def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
@@ -207,16 +220,19 @@ def run(args: argparse.Namespace) -> int:
     modes = [parse_mode(m) for m in args.modes.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    caching = {"config": [base.cache.prefix_caching], "on": [True], "off": [False], "both": [True, False]}
-    variants = [(label if on or args.prefix_caching != "both" else f"{label}/no-cache", spec, on)
-                for label, spec in modes for on in caching[args.prefix_caching]]
+    caching = switch_values(args.prefix_caching, base.cache.prefix_caching)
+    compiling = switch_values(args.compile, base.model.compile)
+    variants = [(label + ("/no-cache" if args.prefix_caching == "both" and not on else "")
+                 + ("/compiled" if args.compile == "both" and compiled else ""), spec, on, compiled)
+                for label, spec in modes for on in caching for compiled in compiling]
 
     def build_engines(batch: int) -> dict:
         scheduler = replace(base.scheduler, max_num_seqs=batch)
         engines = {}
-        for label, spec, on in variants:
+        for label, spec, on, compiled in variants:
             fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
             engines[label] = LLM(config=replace(base, scheduler=scheduler, cache=replace(base.cache, prefix_caching=on),
+                                                model=replace(base.model, compile=compiled),
                                                 speculation=replace(base.speculation, **fields)))
         return engines
 
@@ -236,9 +252,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     lengths = output_lengths(len(prompts), args.max_tokens, args.max_tokens_spread)
     per_prompt = [replace(params, max_tokens=n) for n in lengths]
-    results = {label: [] for label, _, _ in variants}
+    results = {label: [] for label, *_ in variants}
     for batch in sizes:
         engines = build_engines(batch)
+        compile_s = {label: llm.engine.warm_up() for label, llm in engines.items()}  # model.compile: every bucket
         for llm in engines.values():  # warm-up
             llm.generate(warmup[:batch], replace(params, max_tokens=4), use_tqdm=False)
         runs: dict[str, list[dict]] = {label: [] for label in engines}
@@ -251,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
                 runs[label].append(row)
         for label, rows in runs.items():
             row = summarize_runs(rows, runs.get("none"))
-            row["batch"] = batch
+            row.update(batch=batch, compile_s=compile_s[label])
             results[label].append(row)
             logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
                         "cached prompt share %.3f", batch, label,
@@ -263,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
             llm.close()
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
-              "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching,
+              "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
               "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}

@@ -33,6 +33,10 @@ class ModelSection:
     # fp8: keep the checkpoint's block-scaled e4m3 weights; none: dequantize on load;
     # auto: fp8 when config.json's quantization_config says block-scaled e4m3
     quantization: Literal["auto", "fp8", "none"] = "auto"
+    # decode and verify steps (and the draft model's decode) padded to bucketed batch sizes and
+    # run through torch.compile (moespec.static_step); each bucket compiles on first use
+    compile: bool = False
+    compile_batch_sizes: list[int] | None = None  # the buckets; default 1, 2, 4, 8, 16, 24, ... max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,11 @@ class EngineConfig:
             check_positive(self.model.max_model_len, "model.max_model_len")
         for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes"):
             check_positive(getattr(self.server, key), f"server.{key}")
+        if self.model.compile and self.parallel.ep_size > 1:
+            raise ConfigError("model.compile is not supported with parallel.ep_size > 1 yet: expert-parallel "
+                              "steps run eager")
+        for size in self.model.compile_batch_sizes or ():
+            check_positive(size, "model.compile_batch_sizes")
         for key in ("step_timeout_s", "drain_timeout_s"):
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
@@ -151,6 +160,7 @@ FLAT_KEYS = {
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",
     "prefix_caching": "cache.prefix_caching", "enable_prefix_caching": "cache.prefix_caching",
+    "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes",
 }
 
 
@@ -181,6 +191,9 @@ def check_value(key: str, value: Any, hint: Any) -> Any:
         return float(value)
     if hint is dict and isinstance(value, dict):
         return value
+    if origin is list and isinstance(value, (list, tuple)):
+        (item,) = typing.get_args(hint)
+        return [check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
     name = getattr(hint, "__name__", str(hint))

@@ -37,6 +37,7 @@ from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
                                  verify_relaxed)
 from moespec.speculation.adaptive import SpeculationPolicy
+from moespec.static_step import compile_buckets
 from moespec.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class Engine:
         self.allocator = PageAllocator(c.cache.num_kv_pages, c.cache.page_size)
         self.max_model_len = self.resolve_max_model_len()
         self.runner = ModelRunner(self.model, c.cache.num_kv_pages, c.cache.page_size, c.model.attention_backend,
-                                  c.model.device)
+                                  c.model.device, compile_buckets=compile_buckets(c))
         self.speculator = create_speculator(c, self.model, self.runner)
         self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len, self.page_keys(), self.speculator)
         self.lockstep: Lockstep | None = None
@@ -188,6 +189,17 @@ class Engine:
         logger.info("rank %d serving (attention: %s)", self.lockstep.rank, self.config.parallel.attention)
         while not self.stopped:
             self.step()
+
+    def warm_up(self) -> float:
+        """With model.compile: compile the static steps of every bucket now (decode, verify at
+        each draft length, the draft model's decode), so no serving step stalls on a compile.
+        Returns the seconds it took."""
+        k = self.speculator.max_tokens
+        shapes = [("decode", 1, 1)] + [("verify", 1 + j, 1 + j) for j in range(1, k + 1)]
+        seconds = self.runner.warm_up(shapes) + self.speculator.warm_up()
+        if seconds:
+            logger.info("compiled the static steps in %.1f s", seconds)
+        return seconds
 
     def page_keys(self) -> PageKeys | None:
         """Prefix-cache keys: a page's tokens, those before it and what else sets its KV."""

@@ -7,6 +7,7 @@ Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
 from moespec.models.layers import reserve_rope_positions
+from moespec.static_step import StaticSteps
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -42,16 +44,22 @@ def set_single_row_padding(model: nn.Module, pad: bool) -> None:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_pages: int, page_size: int, attention_backend: str = "torch",
-                 device: str | torch.device = "cpu", weights_stream: bool | None = None) -> None:
+                 device: str | torch.device = "cpu", weights_stream: bool | None = None,
+                 compile_buckets: tuple[int, ...] = ()) -> None:
         """`weights_stream`: whether the weights are read from memory at each forward rather than
         from cache; None decides by size (larger than the last-level cache). A draft model runs
-        between target forwards that evict it, so its speculator passes True."""
+        between target forwards that evict it, so its speculator passes True. `compile_buckets`:
+        batch sizes that uniform batches are padded to and run compiled (moespec.static_step);
+        the cache then has one more page, the padded requests' scratch page."""
         self.model = model
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        self.cache = KVCache(model.kv_cache_spec(), num_pages, page_size, self.dtype, self.device)
-        reserve_rope_positions(model, num_pages * page_size)  # every position the cache can hold
+        scratch = 1 if compile_buckets else 0
+        self.cache = KVCache(model.kv_cache_spec(), num_pages + scratch, page_size, self.dtype, self.device)
+        reserve_rope_positions(model, (num_pages + scratch) * page_size)  # every position the cache can hold
         self.backend = create_backend(attention_backend, self.device)
+        self.static = (StaticSteps(model, self.cache.layers, attention_backend, self.device, compile_buckets,
+                                   num_pages, page_size) if compile_buckets else None)
         self.sync = None  # distributed.Lockstep when experts are sharded over ranks
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()
@@ -60,11 +68,25 @@ class ModelRunner:
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
         self.backend.plan(batch.attention_metadata())
-        return ForwardContext(self.backend, self.cache.layers)
+        ctx = ForwardContext(self.backend, self.cache.layers)
+        if self.static is not None and self.sync is None:  # ranks in lockstep run eager
+            ctx.static = self.static.plan(batch)
+        return ctx
+
+    def warm_up(self, shapes: list[tuple[str, int, int]]) -> float:
+        """Compile the static steps (mode, Q, sampled rows per request) of every bucket now;
+        returns the seconds it took (0 without model.compile)."""
+        if self.static is None:
+            return 0.0
+        start = time.perf_counter()
+        self.static.warm_up(shapes)
+        return time.perf_counter() - start
 
     @torch.inference_mode()
     def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
+        if ctx.static is not None:
+            return self.static.forward(ctx.static)
         with self.sync.target(batch) if self.sync is not None else contextlib.nullcontext():
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()

@@ -83,6 +83,7 @@ class ForwardContext:
     def __init__(self, backend: AttentionBackend, caches: list[LayerKV] | None) -> None:
         self.backend = backend
         self.caches = caches
+        self.static = None  # static_step.StaticBatch: the padded batch a compiled step runs instead
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                scale: float, v_dim: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from moespec.config import EngineConfig
+from moespec.static_step import compile_buckets
 from moespec.speculation.base import DraftRows, Proposal, Speculator
 from moespec.speculation.verify import VerifyResult, select_rows, verify_greedy, verify_lossless, verify_relaxed
 
@@ -25,7 +26,7 @@ def create_speculator(config: EngineConfig, target, target_runner) -> Speculator
         raise ValueError(f"draft.model vocab_size {draft.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}; draft and target must share a tokenizer")
     return DraftModelSpeculator(draft, spec.num_speculative_tokens, cache.num_kv_pages, cache.page_size,
-                                config.model.attention_backend, config.model.device)
+                                config.model.attention_backend, config.model.device, compile_buckets(config))
 
 
 def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:

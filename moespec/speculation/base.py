@@ -83,6 +83,10 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def warm_up(self) -> float:
+        """Compile this mode's own static steps (model.compile); returns the seconds it took."""
+        return 0.0
+
     def kv_tokens(self, seq: Sequence) -> int:
         """Leading positions of seq whose KV in this mode's caches is final (accepted tokens only)."""
         return seq.num_tokens

@@ -22,12 +22,16 @@ class DraftModelSpeculator(Speculator):
     mode = "draft"
 
     def __init__(self, draft_model, num_tokens: int, num_pages: int, page_size: int, attention_backend: str,
-                 device) -> None:
+                 device, compile_buckets: tuple[int, ...] = ()) -> None:
         # each target forward evicts the draft's weights: its forwards read them from memory
-        self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device, weights_stream=True)
+        self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device, weights_stream=True,
+                                  compile_buckets=compile_buckets)
         self.max_tokens = num_tokens
         self.page_size = page_size
         self.computed: dict[str, int] = {}  # request -> tokens in the draft's KV
+
+    def warm_up(self) -> float:
+        return self.runner.warm_up([("draft_extend", 1, 1)])  # the draft's decode steps
 
     def release(self, seq: Sequence) -> None:
         self.computed.pop(seq.request_id, None)

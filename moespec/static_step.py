@@ -1,0 +1,173 @@
+"""Static steps: uniform batches run at bucketed batch sizes through a compiled forward.
+
+A uniform batch is one where every request has the same number Q of queries and of sampled
+rows: decode (Q = 1), verify (Q = 1 + k, every row sampled) and the draft model's decode. Its B
+requests are padded to the smallest bucket >= B, so a step sees a handful of shapes, each
+compiled once (`torch.compile`; the KV length is a dynamic dimension, marked as such after every
+plan). A padded request holds one page, the cache's scratch page, which the allocator never
+hands out: it writes its Q keys there, its queries attend to them alone, and its rows are cut
+off before sampling. Prefill chunks, mixed batches and trees run eager.
+
+The attention backend plans the padded batch outside the compiled region (as FlashInfer's
+CUDA-graph wrappers plan outside capture). The static backend is separate from the runner's
+own, which still plans the real batch: the MTP layer's re-run over a verify batch reuses that plan.
+
+Shapes legend: T tokens, B requests, Q queries per request, N sampled rows, M hidden, V vocab.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moespec.attention import ForwardContext, create_backend
+from moespec.batch import Batch, pack_spans
+
+logger = logging.getLogger(__name__)
+
+STATIC_MODES = ("decode", "verify", "draft_extend")
+COMPILE_BACKEND = "inductor"  # tests of the padding logic swap in "eager"
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (and max_num_seqs itself), as the serving
+    stacks choose their CUDA-graph batch sizes."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    return tuple(sorted(set(sizes)))
+
+
+def compile_buckets(config) -> tuple[int, ...]:
+    """The batch sizes static steps pad to (none: model.compile is off)."""
+    if not config.model.compile:
+        return ()
+    return tuple(sorted(set(config.model.compile_batch_sizes or batch_buckets(config.scheduler.max_num_seqs))))
+
+
+@dataclass
+class StaticBatch:
+    """A uniform batch padded to its bucket; its first `num_tokens` rows and first `num_sampled`
+    sampled rows are the real ones."""
+
+    batch: Batch
+    num_tokens: int
+    num_sampled: int
+
+
+def uniform_shape(batch: Batch) -> tuple[int, int] | None:
+    """(Q, sampled rows per request) of a uniform batch, read from host copies; None otherwise."""
+    bounds = batch.qo_bounds
+    B, T, N = len(bounds) - 1, batch.num_tokens, batch.sample_indices.numel()
+    if B < 1 or T % B or N % B:
+        return None
+    Q = T // B
+    if any(bounds[b + 1] - bounds[b] != Q for b in range(B)) or N // B not in (1, Q):
+        return None
+    return Q, N // B
+
+
+def pad_batch(batch: Batch, size: int, scratch_page: int, shape: tuple[int, int] | None = None) -> Batch:
+    """`batch` (uniform) with requests added up to `size`, each at the last Q positions of the
+    scratch page (so every padded request reads S slots: no dimension of size 1, which a compiled
+    graph would specialize on); their sampled rows follow the real ones. Token ids come from the
+    batch on its device (drafts are placed there by tensor ops), the rest from its host copy.
+    `shape` (Q, sampled rows per request) for an empty batch (warm-up)."""
+    host = batch.host or batch
+    B, T, S = len(host.qo_bounds) - 1, host.num_tokens, host.page_size
+    Q, per = shape or uniform_shape(host)
+    pads = size - B
+    arange = torch.arange(1, pads + 1)
+    ends = T + Q * arange  # [pads] end row of each padded request
+    sample = torch.arange(T, T + pads * Q) if per == Q else ends - 1
+    padded = Batch(
+        host.mode,
+        input_ids=torch.zeros(0, dtype=torch.int64),  # placed below, on the device
+        positions=torch.cat([host.positions, torch.arange(S - Q, S).repeat(pads)]),
+        qo_indptr=torch.cat([host.qo_indptr, ends]),
+        kv_indptr=torch.cat([host.kv_indptr, host.kv_indptr[-1] + arange]),
+        kv_indices=torch.cat([host.kv_indices, torch.full((pads,), scratch_page)]),
+        kv_last_page_len=torch.cat([host.kv_last_page_len, torch.full((pads,), S)]),
+        sample_indices=torch.cat([host.sample_indices, sample]),
+        page_size=S, qo_bounds=host.qo_bounds + tuple(ends.tolist()))
+    padded = padded.to(batch.input_ids.device)
+    padded.input_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(pads * Q)])
+    return padded
+
+
+class StaticSteps:
+    """The compiled forward of one model, its own attention backend, and the buckets it pads to."""
+
+    def __init__(self, model: nn.Module, caches: list, attention_backend: str, device: torch.device,
+                 buckets: tuple[int, ...], scratch_page: int, page_size: int) -> None:
+        self.model = model
+        self.buckets = tuple(sorted(buckets))
+        self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
+        self.backend = create_backend(attention_backend, device)
+        self.ctx = ForwardContext(self.backend, caches)
+        self.shapes: set[tuple] = set()  # (bucket, Q, per) compiled so far
+        self.compile_s = 0.0  # wall time of calls that compiled
+        # one compiled function; dynamo keeps a graph per (bucket, Q) beside it
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32 * len(self.buckets) + 8)
+        self.compiled = torch.compile(self.run_model, backend=COMPILE_BACKEND, dynamic=False)
+
+    def bucket(self, batch: Batch) -> int | None:
+        """The bucket a batch is padded to, or None when it runs eager."""
+        if batch.mode not in STATIC_MODES:
+            return None
+        shape = uniform_shape(batch)
+        if shape is None or shape[0] > self.page_size:  # a padded request's queries fit the scratch page
+            return None
+        i = bisect.bisect_left(self.buckets, len(batch.qo_bounds) - 1)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def plan(self, batch: Batch) -> StaticBatch | None:
+        """Pad and plan (host work, outside the compiled region); None: run eager."""
+        size = self.bucket(batch)
+        if size is None:
+            return None
+        padded = pad_batch(batch, size, self.scratch_page)
+        self.backend.plan(padded.attention_metadata())
+        mark_kv_dynamic(self.backend)
+        return StaticBatch(padded, batch.num_tokens, batch.sample_indices.numel())
+
+    def warm_up(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Compile every bucket for each (mode, Q, sampled rows per request) now, on batches of
+        padded requests alone, rather than at a serving step."""
+        for size in self.buckets:
+            for mode, Q, per in shapes:
+                if Q > self.page_size:
+                    continue
+                empty = pack_spans([], self.page_size, mode, []).to(self.device)
+                padded = pad_batch(empty, size, self.scratch_page, (Q, per))
+                self.backend.plan(padded.attention_metadata())
+                mark_kv_dynamic(self.backend)
+                self.forward(StaticBatch(padded, 0, 0))
+
+    @torch.inference_mode()
+    def forward(self, static: StaticBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [T, M], logits [N, V] float32) of the real rows."""
+        b = static.batch
+        shape = (len(b.qo_bounds) - 1, b.num_tokens, b.sample_indices.numel())
+        start = time.perf_counter() if shape not in self.shapes else None
+        hidden, logits = self.compiled(b.input_ids, b.positions, b.sample_indices)
+        if start is not None:
+            self.shapes.add(shape)
+            self.compile_s += time.perf_counter() - start
+            logger.info("compiled the static step for %d requests x %d tokens in %.1f s", shape[0],
+                        shape[1] // shape[0], time.perf_counter() - start)
+        return hidden[: static.num_tokens], logits[: static.num_sampled]
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  sample_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(input_ids, positions, self.ctx)
+        return hidden, self.model.compute_logits(hidden[sample_indices]).float()
+
+
+def mark_kv_dynamic(backend) -> None:
+    """The KV length (dim L of the planned gather indices and masks) changes every step: mark it
+    dynamic, so each bucket compiles once rather than once per length."""
+    for tensor, dim in getattr(backend, "kv_length_dims", lambda: [])():
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
