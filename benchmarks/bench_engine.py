@@ -1,15 +1,17 @@
 """Decode throughput of the engine (no speculation) against transformers' `generate` on the
 same checkpoint, side by side in one run, greedy, float32; with --compile, also the engine
-with static steps compiled (model.compile), compiled before measuring (compile_s).
+with static steps compiled (model.compile), compiled before measuring (compile_s); with
+--overlap, also each of them with overlap scheduling (scheduler.overlap).
 
   .venv/bin/python benchmarks/bench_engine.py --model checkpoints/tiny-deepseek-v3 \
-      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--compile] [--profile] [--out docs/bench-engine.json]
+      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--compile] [--overlap] [--profile] [--out docs/bench-engine.json]
 
 Every side generates `max-tokens` tokens for the same prompts, after the same warm-up; the sides
 take turns in each repeat and each reports the median, its speedup the median of the per-repeat
 ratios. Tokens/s counts generated tokens over wall time of the whole call (prefill included, as
 a user sees it). The engine's decode-step host share (scheduling, batch packing, attention
-planning, sampling tensors, postprocess) comes from its per-phase timers.
+planning, sampling tensors, postprocess) comes from its per-phase timers; decode_hidden_share
+is the share of host + device time that overlap hid (host work done while the device ran).
 """
 from __future__ import annotations
 
@@ -51,10 +53,12 @@ def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     delta = {k: getattr(stats, k) - before[k] for k in before}
-    host = delta["decode_host_s"] / max(delta["decode_host_s"] + delta["decode_device_s"], 1e-9)
-    return elapsed, {"decode_steps": delta["decode_steps"], "decode_host_share": round(host, 3),
-                     "decode_step_ms": round(1e3 * (delta["decode_host_s"] + delta["decode_device_s"])
-                                             / max(delta["decode_steps"], 1), 3)}
+    busy = max(delta["decode_host_s"] + delta["decode_device_s"], 1e-9)
+    # with overlap the host works while the device runs: the step's wall time is less than both
+    hidden = (busy - delta["decode_wall_s"]) / busy
+    return elapsed, {"decode_steps": delta["decode_steps"], "decode_host_share": round(delta["decode_host_s"] / busy, 3),
+                     "decode_hidden_share": round(hidden, 3),
+                     "decode_step_ms": round(1e3 * delta["decode_wall_s"] / max(delta["decode_steps"], 1), 3)}
 
 
 def profile_decode(llm: LLM, prompts: list[list[int]], max_tokens: int, top: int = 25) -> str:
@@ -76,6 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median per side")
     parser.add_argument("--compile", action="store_true",
                         help="also the engine with model.compile (static steps through torch.compile)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also every engine with scheduler.overlap (the host prepares the next step meanwhile)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the engine at the last batch size")
     parser.add_argument("--out", default=None, help="write results as JSON")
@@ -84,12 +90,15 @@ def main() -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     options = dict(model=args.model, dtype="float32", page_size=16, num_kv_pages=512, max_num_seqs=max(args.batch_sizes))
-    engines = {"eager": LLM(**options)}
-    compile_s = None
+    variants = {"eager": {}}
     if args.compile:  # static steps at exactly the measured batch sizes, compiled before measuring
-        engines["compiled"] = LLM(**options, compile=True, compile_batch_sizes=args.batch_sizes)
-        compile_s = round(engines["compiled"].engine.warm_up(), 1)
-        print(json.dumps({"compile_s": compile_s}), flush=True)
+        variants["compiled"] = {"compile": True, "compile_batch_sizes": args.batch_sizes}
+    if args.overlap:
+        variants.update({f"{name}+overlap" if name != "eager" else "overlap": {**opts, "overlap": True}
+                         for name, opts in list(variants.items())})
+    engines = {name: LLM(**options, **opts) for name, opts in variants.items()}
+    compile_s = {name: round(llm.engine.warm_up(), 1) for name, llm in engines.items()}
+    print(json.dumps({"compile_s": compile_s}), flush=True)
     vocab = engines["eager"].engine.vocab_size
     results = []
     for batch in args.batch_sizes:
@@ -110,9 +119,9 @@ def main() -> None:
             row[f"{name}_tok_s"] = round(tokens / statistics.median(seconds[name]), 1)
             row[f"{name}_speedup"] = round(statistics.median(h / o for h, o in zip(seconds["hf"], seconds[name])), 2)
             row[f"{name}_decode"] = info[name]
-        if "compiled" in engines:
-            row["compiled_over_eager"] = round(statistics.median(
-                e / c for e, c in zip(seconds["eager"], seconds["compiled"])), 2)
+            if name != "eager":
+                row[f"{name}_over_eager"] = round(statistics.median(
+                    e / c for e, c in zip(seconds["eager"], seconds[name])), 2)
         results.append(row)
         print(json.dumps(row), flush=True)
     llm = engines["eager"]

@@ -24,7 +24,8 @@ the share of prompt tokens served from the cache and the accept length of each.
 
 --compile both runs every mode eager and with static steps compiled (model.compile; labelled
 `<mode>/compiled`) side by side; the compiling happens before the measurement (Engine.warm_up,
-every bucket up to the batch size) and its time is reported as compile_s.
+every bucket up to the batch size) and its time is reported as compile_s. --overlap both
+does the same for overlap scheduling (`<mode>/overlap`; speculative modes run without it).
 """
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static steps through torch.compile (model.compile); both: every mode compiled and "
                              "eager side by side (compiled: labelled <mode>/compiled); compiling happens in the "
                              "warm-up and is reported as compile_s")
+    parser.add_argument("--overlap", choices=["config", "on", "off", "both"], default="config",
+                        help="overlap scheduling (scheduler.overlap); both: labelled <mode>/overlap; modes with "
+                             "speculation run without it (not supported yet)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="bench-results.json")
     parser.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
@@ -222,14 +226,17 @@ def run(args: argparse.Namespace) -> int:
 
     caching = switch_values(args.prefix_caching, base.cache.prefix_caching)
     compiling = switch_values(args.compile, base.model.compile)
+    overlapping = switch_values(args.overlap, base.scheduler.overlap)
     variants = [(label + ("/no-cache" if args.prefix_caching == "both" and not on else "")
-                 + ("/compiled" if args.compile == "both" and compiled else ""), spec, on, compiled)
-                for label, spec in modes for on in caching for compiled in compiling]
+                 + ("/compiled" if args.compile == "both" and compiled else "")
+                 + ("/overlap" if args.overlap == "both" and overlap else ""), spec, on, compiled, overlap)
+                for label, spec in modes for on in caching for compiled in compiling
+                for overlap in (overlapping if spec["mode"] == "none" else [False])]
 
     def build_engines(batch: int) -> dict:
-        scheduler = replace(base.scheduler, max_num_seqs=batch)
         engines = {}
-        for label, spec, on, compiled in variants:
+        for label, spec, on, compiled, overlap in variants:
+            scheduler = replace(base.scheduler, max_num_seqs=batch, overlap=overlap)
             fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
             engines[label] = LLM(config=replace(base, scheduler=scheduler, cache=replace(base.cache, prefix_caching=on),
                                                 model=replace(base.model, compile=compiled),
@@ -281,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
+              "overlap": args.overlap,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
               "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}

@@ -92,6 +92,9 @@ class SchedulerSection:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # the host schedules and packs step n+1 while step n runs on a worker thread, and reads
+    # step n's tokens one step behind (moespec.overlap); no speculation, one process
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,9 @@ class EngineConfig:
             check_positive(self.model.max_model_len, "model.max_model_len")
         for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes"):
             check_positive(getattr(self.server, key), f"server.{key}")
+        if self.scheduler.overlap and (self.speculation.mode != "none" or self.parallel.ep_size > 1):
+            raise ConfigError("scheduler.overlap is not supported with speculation or parallel.ep_size > 1 yet: "
+                              "set speculation.mode: none and one process, or scheduler.overlap: false")
         if self.model.compile and self.parallel.ep_size > 1:
             raise ConfigError("model.compile is not supported with parallel.ep_size > 1 yet: expert-parallel "
                               "steps run eager")
@@ -160,7 +166,7 @@ FLAT_KEYS = {
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",
     "prefix_caching": "cache.prefix_caching", "enable_prefix_caching": "cache.prefix_caching",
-    "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes",
+    "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes", "overlap": "scheduler.overlap",
 }
 
 

@@ -27,6 +27,7 @@ from moespec.cluster import Abort, Add, Cluster
 from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
+from moespec.overlap import PENDING, DeviceWorker, InFlight, fill_pending
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
@@ -53,6 +54,7 @@ class StepStats:
     decode_steps: int = 0
     decode_host_s: float = 0.0
     decode_device_s: float = 0.0
+    decode_wall_s: float = 0.0  # with overlap less than host + device: the difference is host time hidden
     tokens: int = 0
     requests: int = 0  # requests this engine ran (across ranks: placed on this rank)
 
@@ -147,6 +149,8 @@ class Engine:
         self.stats = StepStats()
         self.ids = itertools.count()
         self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
+        self.worker = DeviceWorker() if c.scheduler.overlap else None  # scheduler.overlap (moespec.overlap)
+        self.in_flight: InFlight | None = None  # the launched step whose results the host reads next
         if self.lockstep is not None:
             self.step()  # every rank's first agreement: rank 0 learns each rank's load before any request
 
@@ -170,6 +174,8 @@ class Engine:
 
     def close(self) -> None:
         """Rank 0: end every rank's loop (they exit); then leave the process group."""
+        if self.worker is not None:
+            self.worker.close()
         if self.ranks is None:
             return
         try:
@@ -300,7 +306,8 @@ class Engine:
         self.stats.requests += 1
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self.cluster is not None and self.cluster.has_unfinished())
+        return (self.scheduler.has_unfinished() or self.in_flight is not None
+                or (self.cluster is not None and self.cluster.has_unfinished()))
 
     def num_waiting(self) -> int:
         """Sequences waiting to be scheduled, on every rank (rank 0's latest view)."""
@@ -329,6 +336,8 @@ class Engine:
             self.last_step = time.monotonic()
 
     def run_step(self, stop: bool = False) -> EngineOutputs:
+        if self.worker is not None:
+            return self.run_overlapped()
         if self.cluster is not None and self.lockstep.plan is not None:
             self.phase = "receive commands from rank 0"
             for command in self.cluster.take_commands(self.lockstep.plan.sent[self.cluster.rank]):
@@ -367,6 +376,108 @@ class Engine:
             self.policy.record(len(prepared.sampled), 0, 1.0, host_s + device_s)
             self.ran_plain = True
         return outputs
+
+    # ------------------------------------------------------------------ overlapped step
+
+    def run_overlapped(self) -> EngineOutputs:
+        """Schedule, pack, plan and launch step n+1, then process step n's results (one step
+        behind); a step that needs a token on the host first runs serially (moespec.overlap)."""
+        start = time.perf_counter()
+        previous, self.in_flight = self.in_flight, None
+        if not self.can_overlap():
+            outputs = self.process(previous, start) if previous is not None else EngineOutputs()
+            return EngineOutputs(outputs.updated + self.run_serial().updated)
+        self.phase = "schedule"
+        scheduled = self.schedule()
+        if scheduled.chunks:
+            self.in_flight = self.launch(scheduled, previous, start)
+        outputs = self.process(previous, start) if previous is not None else EngineOutputs()
+        if self.in_flight is not None:
+            self.publish([c.seq for c in scheduled.chunks])  # their tokens are all known now
+        return outputs
+
+    def run_serial(self) -> EngineOutputs:
+        """A step as without overlap, all on this thread."""
+        worker, self.worker = self.worker, None
+        try:
+            return self.run_step()
+        finally:
+            self.worker = worker
+
+    def can_overlap(self) -> bool:
+        """No request needs its previous token on the host to build the next step: no penalties
+        counted from the outputs, no grammar."""
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            p = seq.params
+            if seq.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                return False
+        return True
+
+    def launch(self, scheduled: SchedulerOutput, previous: InFlight | None, start: float) -> InFlight:
+        """Pack and plan the step, hand its device side to the worker, and advance the host's
+        view of its requests: KV computed through their chunks, one placeholder token per
+        sampled request."""
+        prepared = self.prepare(scheduled, decide([self.report(scheduled, False)]), start)
+        rows, sources = self.pending_rows(scheduled, previous)
+        future = self.worker.submit(self.execute_after, prepared, rows, sources,
+                                    previous.future if previous is not None else None)
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed = chunk.end
+        pending_at = []
+        for seq in prepared.sampled:
+            pending_at.append(len(seq.output_ids))
+            seq.output_ids.append(PENDING)
+        prepared.host_s = time.perf_counter() - start
+        return InFlight(prepared, future, pending_at, start)
+
+    def pending_rows(self, scheduled: SchedulerOutput, previous: InFlight | None):
+        """Rows of this batch whose token is a placeholder of the previous step, and their rows
+        in its sampled tokens (host tensors; None when there are none)."""
+        if previous is None:
+            return None, None
+        source_of = {id(seq): row for row, seq in enumerate(previous.prepared.sampled)}
+        rows, sources, end = [], [], 0
+        for chunk in scheduled.chunks:
+            end += chunk.num_tokens
+            seq = chunk.seq
+            if chunk.end == seq.num_tokens and seq.output_ids and seq.output_ids[-1] == PENDING:
+                rows.append(end - 1)
+                sources.append(source_of[id(seq)])
+        if not rows:
+            return None, None
+        return torch.tensor(rows), torch.tensor(sources)
+
+    def execute_after(self, prepared: PreparedStep, rows, sources, previous) -> SamplerOutput:
+        """Worker thread: fill the placeholders from the previous step's tokens, then forward
+        and sample."""
+        tokens = previous.result()[0].tokens if previous is not None else None  # done: one worker, in order
+        if rows is not None:
+            fill_pending(prepared.batch.input_ids, rows.to(tokens.device), sources.to(tokens.device), tokens)
+        return self.execute(prepared)
+
+    def process(self, flight: InFlight, call_start: float) -> EngineOutputs:
+        """Wait for a launched step and put its tokens where their placeholders are; a request
+        that finished or was aborted since drops its token."""
+        self.phase = "wait for the device"
+        result, device_s = flight.future.result()
+        start = time.perf_counter()
+        self.phase = "postprocess"
+        tokens = result.tokens.tolist()
+        updated = []
+        for row, (seq, at) in enumerate(zip(flight.prepared.sampled, flight.pending_at)):
+            if seq.is_finished:
+                continue
+            later = len(seq.output_ids) - at - 1  # placeholders of steps launched after this one
+            del seq.output_ids[at:]
+            self.append_tokens(seq, [tokens[row]], [result.logprobs[row]])
+            if not seq.is_finished:
+                seq.output_ids += [PENDING] * later
+            updated.append(seq)
+        host_s = flight.prepared.host_s + time.perf_counter() - start
+        self.record(flight.prepared, host_s, device_s, time.perf_counter() - call_start)
+        return EngineOutputs(updated)
+
+    # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> SchedulerOutput:
         scheduled = self.scheduler.schedule(lookahead=self.speculator.lookahead)
@@ -609,6 +720,8 @@ class Engine:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        while seq.output_ids and seq.output_ids[-1] == PENDING:  # overlap: steps still in flight
+            seq.output_ids.pop()
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.monotonic()
@@ -617,7 +730,8 @@ class Engine:
         self.speculator.release(seq)
         self.sequences.pop(seq.request_id, None)
 
-    def record(self, prepared: PreparedStep, host_s: float, device_s: float) -> None:
+    def record(self, prepared: PreparedStep, host_s: float, device_s: float, wall_s: float | None = None) -> None:
+        """`wall_s`: the step's share of wall time (serial: host + device)."""
         s = self.stats
         s.steps += 1
         s.host_s += host_s
@@ -627,3 +741,4 @@ class Engine:
             s.decode_steps += 1
             s.decode_host_s += host_s
             s.decode_device_s += device_s
+            s.decode_wall_s += host_s + device_s if wall_s is None else wall_s

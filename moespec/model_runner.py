@@ -7,6 +7,7 @@ Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 
@@ -68,7 +69,8 @@ class ModelRunner:
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
         self.backend.plan(batch.attention_metadata())
-        ctx = ForwardContext(self.backend, self.cache.layers)
+        # a snapshot of the plan: under overlap scheduling the next plan is made while this one runs
+        ctx = ForwardContext(copy.copy(self.backend), self.cache.layers)
         if self.static is not None and self.sync is None:  # ranks in lockstep run eager
             ctx.static = self.static.plan(batch)
         return ctx
@@ -86,7 +88,7 @@ class ModelRunner:
     def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
         if ctx.static is not None:
-            return self.static.forward(ctx.static)
+            return self.static.forward(ctx.static, batch.input_ids)
         with self.sync.target(batch) if self.sync is not None else contextlib.nullcontext():
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()

@@ -17,6 +17,7 @@ Shapes legend: T tokens, B requests, Q queries per request, N sampled rows, M hi
 from __future__ import annotations
 
 import bisect
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class StaticBatch:
     batch: Batch
     num_tokens: int
     num_sampled: int
+    ctx: ForwardContext  # its plan (a snapshot: the next step may be planned while this one runs)
 
 
 def uniform_shape(batch: Batch) -> tuple[int, int] | None:
@@ -106,7 +108,7 @@ class StaticSteps:
         self.buckets = tuple(sorted(buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
-        self.ctx = ForwardContext(self.backend, caches)
+        self.caches = caches
         self.shapes: set[tuple] = set()  # (bucket, Q, per) compiled so far
         self.compile_s = 0.0  # wall time of calls that compiled
         # one compiled function; dynamo keeps a graph per (bucket, Q) beside it
@@ -128,10 +130,13 @@ class StaticSteps:
         size = self.bucket(batch)
         if size is None:
             return None
-        padded = pad_batch(batch, size, self.scratch_page)
+        return self.plan_padded(pad_batch(batch, size, self.scratch_page), batch.num_tokens,
+                                batch.sample_indices.numel())
+
+    def plan_padded(self, padded: Batch, num_tokens: int, num_sampled: int) -> StaticBatch:
         self.backend.plan(padded.attention_metadata())
         mark_kv_dynamic(self.backend)
-        return StaticBatch(padded, batch.num_tokens, batch.sample_indices.numel())
+        return StaticBatch(padded, num_tokens, num_sampled, ForwardContext(copy.copy(self.backend), self.caches))
 
     def warm_up(self, shapes: list[tuple[str, int, int]]) -> None:
         """Compile every bucket for each (mode, Q, sampled rows per request) now, on batches of
@@ -141,18 +146,18 @@ class StaticSteps:
                 if Q > self.page_size:
                     continue
                 empty = pack_spans([], self.page_size, mode, []).to(self.device)
-                padded = pad_batch(empty, size, self.scratch_page, (Q, per))
-                self.backend.plan(padded.attention_metadata())
-                mark_kv_dynamic(self.backend)
-                self.forward(StaticBatch(padded, 0, 0))
+                self.forward(self.plan_padded(pad_batch(empty, size, self.scratch_page, (Q, per)), 0, 0))
 
     @torch.inference_mode()
-    def forward(self, static: StaticBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden [T, M], logits [N, V] float32) of the real rows."""
+    def forward(self, static: StaticBatch, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [T, M], logits [N, V] float32) of the real rows. `input_ids` [T]: the real
+        rows' token ids as they are now (placed on the device after planning: drafts, or the
+        previous step's tokens under overlap scheduling)."""
         b = static.batch
+        ids = b.input_ids if input_ids is None else torch.cat([input_ids, b.input_ids[static.num_tokens:]])
         shape = (len(b.qo_bounds) - 1, b.num_tokens, b.sample_indices.numel())
         start = time.perf_counter() if shape not in self.shapes else None
-        hidden, logits = self.compiled(b.input_ids, b.positions, b.sample_indices)
+        hidden, logits = self.compiled(ids, b.positions, b.sample_indices, static.ctx)
         if start is not None:
             self.shapes.add(shape)
             self.compile_s += time.perf_counter() - start
@@ -160,9 +165,9 @@ class StaticSteps:
                         shape[1] // shape[0], time.perf_counter() - start)
         return hidden[: static.num_tokens], logits[: static.num_sampled]
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                  sample_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(input_ids, positions, self.ctx)
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
+                  ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(input_ids, positions, ctx)
         return hidden, self.model.compute_logits(hidden[sample_indices]).float()
 
 

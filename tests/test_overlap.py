@@ -1,0 +1,161 @@
+"""Overlap scheduling (scheduler.overlap): the same tokens as the serial engine, one step behind,
+with every KV page returned."""
+import pytest
+import torch
+
+from moespec import LLM, SamplingParams
+from moespec.config import ConfigError, build_config
+from moespec.overlap import PENDING
+
+
+def prompts(lengths, vocab=120, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def generate(path, batch, params, **options):
+    opts = dict(page_size=4, num_kv_pages=256, max_num_seqs=4, max_num_batched_tokens=16)
+    opts.update(options)
+    llm = LLM(model=path, **opts)
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return outs, llm
+
+
+BATCH = prompts([5, 23, 9, 17, 30, 2, 11], seed=3)
+LENGTHS = (20, 7, 1, 16, 20, 3, 12)
+
+
+@pytest.fixture(params=["llama", "deepseek"])
+def model(request, llama_pair, deepseek_mtp):
+    return llama_pair[0] if request.param == "llama" else deepseek_mtp
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "logprobs"])
+def test_same_tokens_as_the_serial_engine(model, kind):
+    """More requests than slots (a finished request's slot is refilled while the next step is in
+    flight), chunked prefill beside decode rows, outputs of 1 to 20 tokens. Seeded draws are
+    keyed by position, so they are the same tokens too."""
+    def params(n, i):
+        base = dict(max_tokens=n, ignore_eos=True)
+        if kind == "greedy":
+            return SamplingParams(temperature=0.0, **base)
+        if kind == "logprobs":
+            return SamplingParams(temperature=0.0, logprobs=2, **base)
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, **base)
+    batch_params = [params(n, i) for i, n in enumerate(LENGTHS)]
+    ref, _ = generate(model, BATCH, batch_params)
+    got, llm = generate(model, BATCH, batch_params, overlap=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(PENDING not in o.token_ids for o in got)
+    if kind == "logprobs":
+        assert [[(lp.token_id, round(lp.logprob, 4)) for lp in o.outputs[0].logprobs] for o in got] == \
+               [[(lp.token_id, round(lp.logprob, 4)) for lp in o.outputs[0].logprobs] for o in ref]
+    assert llm.engine.in_flight is None and llm.engine.stats.decode_wall_s > 0
+
+
+def test_random_sampling_follows_the_model(llama_pair):
+    """Unseeded sampling under overlap (a request that finished still takes a row, and its
+    draw, in the step after): three tokens of 600 requests, 64 at a time, follow the model's
+    joint distribution over the 27 cells of top-k 3 (chi-square)."""
+    from scipy import stats
+    from moespec.models import load_model
+    from moespec.sampling import SamplingBatch, compute_probs
+    from reference import paged_forward
+    prompt, n = prompts([6], seed=7)[0], 600
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    outs, _ = generate(llama_pair[0], [prompt] * n, params, overlap=True, max_num_seqs=64, num_kv_pages=1024,
+                       max_num_batched_tokens=256)
+    model = load_model(llama_pair[0], show_progress=False)
+    joint = {(): 1.0}
+    for _ in range(3):
+        nxt = {}
+        for seq, p in joint.items():
+            logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
+            probs = compute_probs(logits, SamplingBatch.build([params], [prompt], [list(seq)], 120, "cpu"))[0]
+            for t in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (t,)] = p * probs[t].item()
+        joint = nxt
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(joint)
+    cells = sorted(joint)
+    expected = [joint[c] / sum(joint.values()) * n for c in cells]
+    assert stats.chisquare([counts.get(c, 0) for c in cells], expected).pvalue > 1e-3
+
+
+def test_same_tokens_under_preemption(model):
+    batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref, _ = generate(model, batch, params, max_num_seqs=8)
+    got, _ = generate(model, batch, params, overlap=True, num_kv_pages=14, max_num_batched_tokens=32, max_num_seqs=8)
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_penalties_and_grammars_run_serially_with_the_same_tokens(llama_pair):
+    """A request whose next step needs its previous token on the host (penalties) runs in
+    serial steps while it is there; the others overlap before and after."""
+    penalized = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3,
+                               frequency_penalty=0.5)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
+    params[3] = penalized
+    ref, _ = generate(llama_pair[0], BATCH, params)
+    got, _ = generate(llama_pair[0], BATCH, params, overlap=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_stop_strings_and_eos_end_a_request_one_step_early(tiny_tokenizer_model):
+    """A request that stops at step n was already scheduled in n+1: that token is dropped."""
+    path = tiny_tokenizer_model
+    free, _ = generate(path, ["def main():"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                       page_size=8)
+    text = free[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=40)]  # stops at EOS, if it samples one
+    ref, _ = generate(path, ["def main():", "import os"], params, page_size=8)
+    got, _ = generate(path, ["def main():", "import os"], params, page_size=8, overlap=True)
+    assert got[0].finish_reason == "stop" and got[0].text == text[: text.index(stop)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
+                                                                       for o in ref]
+
+
+@pytest.fixture
+def tiny_tokenizer_model():
+    return "checkpoints/tiny-llama"
+
+
+def test_abort_while_a_step_is_in_flight(llama_pair):
+    llm = LLM(model=llama_pair[0], page_size=4, num_kv_pages=64, overlap=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    keep = engine.add_request(prompts([9])[0], params)
+    drop = engine.add_request(prompts([14], seed=5)[0], params)
+    for _ in range(4):
+        engine.step()
+    assert engine.in_flight is not None and drop.output_ids[-1] == PENDING
+    engine.abort(drop.request_id)
+    assert drop.is_finished and PENDING not in drop.output_ids
+    while engine.has_unfinished():
+        engine.step()
+    ref = LLM(model=llama_pair[0], page_size=4, num_kv_pages=64).generate([prompts([9])[0]], params, use_tqdm=False)
+    assert keep.output_ids == ref[0].token_ids
+
+
+def test_overlap_with_compiled_steps(llama_pair, monkeypatch):
+    import moespec.static_step as static_step
+    monkeypatch.setattr(static_step, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
+    ref, _ = generate(llama_pair[0], BATCH, params)
+    got, llm = generate(llama_pair[0], BATCH, params, overlap=True, compile=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert llm.engine.runner.static.shapes
+    torch._dynamo.reset()
+
+
+def test_config_refuses_overlap_with_speculation():
+    with pytest.raises(ConfigError, match="scheduler.overlap"):
+        build_config({}, {"model": "m", "overlap": True, "speculation": {"mode": "mtp"}})
+    assert build_config({}, {"model": "m", "overlap": True}).scheduler.overlap
