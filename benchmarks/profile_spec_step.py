@@ -4,7 +4,7 @@ split over the engine's and the speculator's phases, batch 1, greedy, held-out p
   .venv/bin/python benchmarks/profile_spec_step.py --model checkpoints/tiny-llama \
       --speculation '{"mode": "draft", "draft_model": "checkpoints/tiny-llama-draft", "num_speculative_tokens": 4}'
   .venv/bin/python benchmarks/profile_spec_step.py --model checkpoints/tiny-deepseek-v3 \
-      --speculation '{"mode": "mtp", "num_speculative_tokens": 1}' --out docs/bench/profile-deepseek-mtp1.json
+      --speculation '{"mode": "mtp", "num_speculative_tokens": 1}' [--compile] --out docs/bench/profile-deepseek-mtp1.json
 
 Each phase is timed by wrapping the method that implements it; nested phases (the draft's
 forward inside `propose`) are reported inside their parent, so the rows do not add up to the
@@ -70,11 +70,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="static steps at batch 1 (model.compile), compiled first")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     speculation = {**json.loads(args.speculation), "adaptive": False} if args.speculation else None
-    llm = LLM(model=args.model, dtype="float32", speculation=speculation)
+    llm = LLM(model=args.model, dtype="float32", speculation=speculation,
+              **({"compile": True, "compile_batch_sizes": [1]} if args.compile else {}))
+    llm.engine.warm_up()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = heldout_prompts(llm.get_tokenizer(), args.prompts, 64)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -87,7 +90,7 @@ def main() -> None:
     phases = {label: {"ms_per_step": round(1e3 * totals[label] / steps, 3),
                       "calls_per_step": round(calls[label] / steps, 2)} for label in totals}
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-              "model": args.model, "speculation": speculation, "tokens_per_s": round(tokens / elapsed, 1),
+              "model": args.model, "speculation": speculation, "compile": args.compile, "tokens_per_s": round(tokens / elapsed, 1),
               "tokens_per_step": round(tokens / steps, 2), "ms_per_step": round(1e3 * elapsed / steps, 3),
               "phases": phases}
     print(json.dumps(report, indent=2))

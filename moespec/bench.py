@@ -13,7 +13,8 @@ order rotates each repeat) until each has run max(--num-prompts, waves x b) prom
 `repeats` times. Reported per mode and batch size, from its fastest repeat: output tokens/s,
 mean TTFT and TPOT, accept length and per-position acceptance; and its speedup over `none`
 as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for the spread:
-shared CPU machines drift by 10-20% within a minute. With --hf-assisted, transformers' plain
+shared CPU machines drift by 10-20% within a minute (a variant such as `mtp:2/compiled` also
+gets its speedup over `none/compiled`, speedup_same_switches). With --hf-assisted, transformers' plain
 and assisted `generate` (same target and draft) run at batch 1 in the same process for
 comparison.
 
@@ -275,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
                 runs[label].append(row)
         for label, rows in runs.items():
             row = summarize_runs(rows, runs.get("none"))
+            suffix = label[label.index("/"):] if "/" in label else ""
+            if suffix and label != "none" + suffix and "none" + suffix in runs:
+                # against plain decoding with the same switches (compiled speculation against compiled decoding)
+                row["speedup_same_switches"] = summarize_runs(rows, runs["none" + suffix])["speedup"]
             row.update(batch=batch, compile_s=compile_s[label])
             results[label].append(row)
             logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
@@ -283,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-", row["ttft_ms"],
                         row["cached_prompt_share"])
+            if "speedup_same_switches" in row:
+                logger.info("batch %d %-8s speedup over none%s: %.2f", batch, label, suffix, row["speedup_same_switches"])
         for llm in engines.values():
             llm.close()
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",

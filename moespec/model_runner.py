@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
 from moespec.models.layers import reserve_rope_positions
-from moespec.static_step import StaticSteps
+from moespec.static_step import StaticSteps, model_step
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -59,8 +60,8 @@ class ModelRunner:
         self.cache = KVCache(model.kv_cache_spec(), num_pages + scratch, page_size, self.dtype, self.device)
         reserve_rope_positions(model, (num_pages + scratch) * page_size)  # every position the cache can hold
         self.backend = create_backend(attention_backend, self.device)
-        self.static = (StaticSteps(model, self.cache.layers, attention_backend, self.device, compile_buckets,
-                                   num_pages, page_size) if compile_buckets else None)
+        self.static = (StaticSteps(functools.partial(model_step, model), self.cache.layers, attention_backend,
+                                   self.device, compile_buckets, num_pages, page_size) if compile_buckets else None)
         self.sync = None  # distributed.Lockstep when experts are sharded over ranks
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()

@@ -48,12 +48,27 @@ def compile_buckets(config) -> tuple[int, ...]:
     return tuple(sorted(set(config.model.compile_batch_sizes or batch_buckets(config.scheduler.max_num_seqs))))
 
 
+def model_step(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
+               ctx: ForwardContext, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's forward -> (hidden [T, M], logits [N, V] float32 at sample_indices)."""
+    out = model(input_ids, positions, ctx)
+    return out, model.compute_logits(out[sample_indices]).float()
+
+
+def mtp_step(mtp: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
+             ctx: ForwardContext, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MTP layer (or head) over the target's hidden states [T, M] -> (hidden [T, M], logits [N, V])."""
+    out = mtp.forward_mtp(0, input_ids, hidden, positions, ctx)
+    return out, mtp.compute_mtp_logits(0, out[sample_indices]).float()
+
+
 @dataclass
 class StaticBatch:
-    """A uniform batch padded to its bucket; its first `num_tokens` rows and first `num_sampled`
-    sampled rows are the real ones."""
+    """A uniform batch padded to its bucket; its first `num_requests` requests, `num_tokens`
+    rows and `num_sampled` sampled rows are the real ones."""
 
     batch: Batch
+    num_requests: int
     num_tokens: int
     num_sampled: int
     ctx: ForwardContext  # its plan (a snapshot: the next step may be planned while this one runs)
@@ -100,11 +115,14 @@ def pad_batch(batch: Batch, size: int, scratch_page: int, shape: tuple[int, int]
 
 
 class StaticSteps:
-    """The compiled forward of one model, its own attention backend, and the buckets it pads to."""
+    """The compiled step of one model (`step`: model_step, mtp_step), its own attention backend,
+    and the buckets it pads to."""
 
-    def __init__(self, model: nn.Module, caches: list, attention_backend: str, device: torch.device,
-                 buckets: tuple[int, ...], scratch_page: int, page_size: int) -> None:
-        self.model = model
+    def __init__(self, step, caches: list, attention_backend: str, device: torch.device,
+                 buckets: tuple[int, ...], scratch_page: int, page_size: int,
+                 input_hidden: tuple[int, torch.dtype] | None = None) -> None:
+        """`input_hidden`: (M, dtype) of the hidden states an MTP step takes as input."""
+        self.step, self.input_hidden = step, input_hidden
         self.buckets = tuple(sorted(buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
@@ -130,45 +148,64 @@ class StaticSteps:
         size = self.bucket(batch)
         if size is None:
             return None
-        return self.plan_padded(pad_batch(batch, size, self.scratch_page), batch.num_tokens,
-                                batch.sample_indices.numel())
+        return self.plan_padded(pad_batch(batch, size, self.scratch_page), len(batch.qo_bounds) - 1,
+                                batch.num_tokens, batch.sample_indices.numel())
 
-    def plan_padded(self, padded: Batch, num_tokens: int, num_sampled: int) -> StaticBatch:
+    def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int) -> StaticBatch:
         self.backend.plan(padded.attention_metadata())
         mark_kv_dynamic(self.backend)
-        return StaticBatch(padded, num_tokens, num_sampled, ForwardContext(copy.copy(self.backend), self.caches))
+        return StaticBatch(padded, num_requests, num_tokens, num_sampled,
+                           ForwardContext(copy.copy(self.backend), self.caches))
 
-    def warm_up(self, shapes: list[tuple[str, int, int]]) -> None:
+    def reuse(self, static: StaticBatch) -> StaticBatch:
+        """Another model's static batch with its plan, on this model's caches (the MTP layer's
+        re-run over the target's padded verify batch)."""
+        return StaticBatch(static.batch, static.num_requests, static.num_tokens, static.num_sampled,
+                           ForwardContext(static.ctx.backend, self.caches))
+
+    def warm_up(self, shapes: list[tuple[str, int, int]], one_row_each: bool = False) -> None:
         """Compile every bucket for each (mode, Q, sampled rows per request) now, on batches of
-        padded requests alone, rather than at a serving step."""
+        padded requests alone, rather than at a serving step (`one_row_each`: as `forward` with
+        `rows`, the MTP layer's verify re-run)."""
         for size in self.buckets:
             for mode, Q, per in shapes:
                 if Q > self.page_size:
                     continue
                 empty = pack_spans([], self.page_size, mode, []).to(self.device)
-                self.forward(self.plan_padded(pad_batch(empty, size, self.scratch_page, (Q, per)), 0, 0))
+                hidden = None if self.input_hidden is None else torch.zeros(0, self.input_hidden[0],
+                                                                            dtype=self.input_hidden[1], device=self.device)
+                rows = torch.zeros(0, dtype=torch.int64, device=self.device) if one_row_each else None
+                self.forward(self.plan_padded(pad_batch(empty, size, self.scratch_page, (Q, per)), 0, 0, 0),
+                             hidden=hidden, rows=rows)
 
     @torch.inference_mode()
-    def forward(self, static: StaticBatch, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, static: StaticBatch, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32) of the real rows. `input_ids` [T]: the real
         rows' token ids as they are now (placed on the device after planning: drafts, or the
-        previous step's tokens under overlap scheduling)."""
-        b = static.batch
-        ids = b.input_ids if input_ids is None else torch.cat([input_ids, b.input_ids[static.num_tokens:]])
-        shape = (len(b.qo_bounds) - 1, b.num_tokens, b.sample_indices.numel())
+        previous step's tokens under overlap scheduling); `hidden` [T, M]: an MTP layer's input
+        (padded rows get zeros); `rows` [B]: sample these rows, one per request, instead."""
+        b, T, B = static.batch, static.num_tokens, static.num_requests
+        pads = b.num_tokens - T
+        ids = b.input_ids if input_ids is None else torch.cat([input_ids, b.input_ids[T:]])
+        if hidden is not None:
+            hidden = torch.cat([hidden, hidden.new_zeros(pads, hidden.shape[1])])
+        sample, num_sampled = b.sample_indices, static.num_sampled
+        if rows is not None:  # one row per request: the padded requests' last rows
+            sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
+        shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel())
         start = time.perf_counter() if shape not in self.shapes else None
-        hidden, logits = self.compiled(ids, b.positions, b.sample_indices, static.ctx)
+        hidden, logits = self.compiled(ids, b.positions, sample, static.ctx, hidden)
         if start is not None:
             self.shapes.add(shape)
             self.compile_s += time.perf_counter() - start
             logger.info("compiled the static step for %d requests x %d tokens in %.1f s", shape[0],
                         shape[1] // shape[0], time.perf_counter() - start)
-        return hidden[: static.num_tokens], logits[: static.num_sampled]
+        return hidden[:T], logits[:num_sampled]
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
-                  ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(input_ids, positions, ctx)
-        return hidden, self.model.compute_logits(hidden[sample_indices]).float()
+                  ctx: ForwardContext, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.step(input_ids, positions, sample_indices, ctx, hidden)
 
 
 def mark_kv_dynamic(backend) -> None:

@@ -123,12 +123,16 @@ def test_greedy_identical_with_compile(traced, deepseek_mtp, llama_pair, tmp_pat
     lengths, chunked prefill beside decode rows: the same tokens with compile on and off."""
     path, spec = deepseek_mtp if mode == "mtp" else llama_pair[0], speculation(mode, llama_pair, tmp_path)
     ref, _ = generate(path, BATCH, GREEDY, speculation=spec, max_num_batched_tokens=16)
-    got, llm = generate(path, BATCH, GREEDY, speculation=spec, max_num_batched_tokens=16, compile=True)
+    got, llm = generate(path, BATCH, GREEDY, speculation=spec, max_num_batched_tokens=16, compile=True,
+                        compile_batch_sizes=[2, 8])
     assert got == ref
     shapes = llm.engine.runner.static.shapes
     assert len({s[0] for s in shapes}) > 1  # several buckets ran
     if mode == "draft":
         assert llm.engine.speculator.runner.static.shapes  # the draft model's decode ran static too
+    if mode in ("mtp", "mtp-head"):  # the MTP layer's verify re-run (one row per request) and chain steps too
+        mtp_shapes = llm.engine.speculator.static.shapes
+        assert any(s[1] > s[0] == s[2] for s in mtp_shapes) and any(s[0] == s[1] == s[2] for s in mtp_shapes)
     if spec is not None:
         assert llm.engine.spec_stats.steps > 0 and any(s[1] > s[0] for s in shapes)  # verify steps ran static
 
@@ -140,7 +144,7 @@ def test_greedy_identical_with_compile_under_preemption(traced, deepseek_mtp, mo
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref, _ = generate(deepseek_mtp, batch, params, speculation=spec)
     tight = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=16, max_num_batched_tokens=32, max_num_seqs=8,
-                speculation=spec, compile=True)
+                speculation=spec, compile=True, compile_batch_sizes=[2, 8])
     outs = tight.generate(batch, params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == ref

@@ -43,7 +43,9 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
         mtp = load_mtp_head(target, spec.mtp_head, dtype)
         reserve_rope_positions(mtp, cache.num_kv_pages * cache.page_size)
         set_single_row_padding(mtp.head, True)  # as for a draft model: target forwards evict its weights
-        caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages, cache.page_size, dtype, config.model.device).layers
+        scratch = 1 if compile_buckets(config) else 0  # static steps' scratch page
+        caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages + scratch, cache.page_size, dtype,
+                         config.model.device).layers
     else:
         if getattr(target, "num_mtp_layers", 0) < 1:
             raise ValueError(f"speculation.mode 'mtp': model {config.model.path!r} has no MTP layer; "
@@ -51,4 +53,5 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
         mtp = target
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
     return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
-                         target.config.hidden_size, dtype, config.model.device, config.model.attention_backend)
+                         target.config.hidden_size, dtype, config.model.device, config.model.attention_backend,
+                         compile_buckets(config), cache.num_kv_pages)

@@ -21,6 +21,8 @@ Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidd
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,7 @@ from moespec.batch import Batch, Span, pack_spans
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator, gather_rows
+from moespec.static_step import StaticSteps, mtp_step
 
 
 def mtp_state_bytes(max_num_seqs: int, k: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -55,9 +58,12 @@ class MTPSpeculator(Speculator):
     kv_from_tokens = False  # and from the target's hidden state at p, which a cache hit does not have
 
     def __init__(self, mtp_model, caches, num_tokens: int, max_num_seqs: int, page_size: int, hidden_size: int,
-                 dtype: torch.dtype, device, attention_backend: str = "torch") -> None:
+                 dtype: torch.dtype, device, attention_backend: str = "torch", compile_buckets: tuple[int, ...] = (),
+                 num_pages: int = 0) -> None:
         """`mtp_model` offers forward_mtp / compute_mtp_logits; `caches` are the KV layers it writes
-        (the target's own cache for a built-in layer, a separate one for an external head)."""
+        (the target's own cache for a built-in layer, a separate one for an external head).
+        `compile_buckets`: chain steps and the verify re-run run as static steps
+        (moespec.static_step); the caches then hold a scratch page, page `num_pages`."""
         self.mtp, self.caches = mtp_model, caches
         self.max_tokens = num_tokens
         self.max_num_seqs, self.page_size = max_num_seqs, page_size
@@ -65,12 +71,26 @@ class MTPSpeculator(Speculator):
         self.backend = create_backend(attention_backend, self.device)  # for flushes, catch-up and chain steps
         self.states: dict[str, MTPState] = {}
         self.sync = None  # distributed.Lockstep when a built-in MTP layer's experts are sharded over ranks
+        self.static = (StaticSteps(functools.partial(mtp_step, mtp_model), caches, attention_backend, self.device,
+                                   compile_buckets, num_pages, page_size, input_hidden=(hidden_size, dtype))
+                       if compile_buckets else None)
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
+
+    def warm_up(self) -> float:
+        """Compile the static steps of every bucket: the re-run over verify batches of each draft
+        length, and the chain steps (one query per request)."""
+        if self.static is None:
+            return 0.0
+        start = time.perf_counter()
+        self.static.warm_up([("verify", 1 + j, 1 + j) for j in range(1, self.max_tokens + 1)], one_row_each=True)
+        if self.max_tokens > 1:
+            self.static.warm_up([("draft_extend", 1, 1)])
+        return time.perf_counter() - start
 
     def kv_tokens(self, seq: Sequence) -> int:
         state = self.states.get(seq.request_id)
@@ -188,7 +208,7 @@ class MTPSpeculator(Speculator):
             return 0
         spans, hidden = self.take(lagging, [seq.num_tokens - 1 for seq in lagging])
         batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[True] * len(spans)).to(self.device)
-        logits, out = self.run(batch, batch.input_ids, hidden, rows=batch.sample_indices)
+        logits, out = self.run(batch, batch.input_ids, hidden, rows=batch.sample_indices, static=False)
         for row, seq in enumerate(lagging):
             state = self.state(seq)
             state.logits, state.hidden = logits[row], out[row]
@@ -206,21 +226,38 @@ class MTPSpeculator(Speculator):
         return True
 
     def forward(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
-                ctx: ForwardContext | None = None) -> torch.Tensor:
-        """MTP layer over a batch (writes its KV) -> hidden [T, M]."""
-        if ctx is None:  # else the verify re-run: the target's plan
+                target_ctx: ForwardContext | None = None) -> torch.Tensor:
+        """MTP layer over a batch (writes its KV) -> hidden [T, M]; `target_ctx`: the verify
+        re-run reuses the target forward's plan."""
+        if target_ctx is None:
             self.backend.plan(batch.attention_metadata())
             ctx = ForwardContext(self.backend, self.caches)
+        else:
+            ctx = ForwardContext(target_ctx.backend, self.caches)
         with self.sync.mtp(batch) if self.sync else contextlib.nullcontext():
             return self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
 
-    def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor,
-            rows: torch.Tensor | None = None, ctx: ForwardContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP forward over a batch; returns (logits [N, V], hidden [N, M]) at `rows` (default: all)."""
-        out = self.forward(batch, token_ids, hidden, ctx)
+    def run(self, batch: Batch, token_ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+            target_ctx: ForwardContext | None = None, static: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP forward over a batch; returns (logits [N, V], hidden [N, M]) at `rows` (default: all).
+        `static`: as a static step where one applies (catch-ups, rarely uniform, run eager)."""
+        static = self.plan_static(batch, target_ctx) if static else None
+        if static is not None:
+            out, logits = self.static.forward(static, token_ids, hidden, rows)
+            return logits, out if rows is None else out[rows]
+        out = self.forward(batch, token_ids, hidden, target_ctx)
         if rows is not None:
             out = out[rows]
         return self.mtp.compute_mtp_logits(0, out).float(), out
+
+    def plan_static(self, batch: Batch, target_ctx: ForwardContext | None):
+        """The static step for a uniform batch (chain steps; the verify re-run takes the target's
+        padded plan), or None: run eager."""
+        if self.static is None or self.sync is not None:
+            return None
+        if target_ctx is None:
+            return self.static.plan(batch)
+        return self.static.reuse(target_ctx.static) if target_ctx.static is not None else None
 
     # ------------------------------------------------------------------ after verification
 
@@ -237,9 +274,9 @@ class MTPSpeculator(Speculator):
         at_new = torch.arange(K1, device=tokens.device)[None, :] == num_accepted[:, None]
         new_token = tokens.gather(1, num_accepted[:, None])  # [B, 1]
         mtp_ids = torch.where(at_new, new_token, shifted).flatten()
-        mtp_ctx = ForwardContext(ctx.backend, self.caches)  # the target's plan, the MTP layer's cache
         pick = torch.arange(B, device=tokens.device) * K1 + num_accepted  # [B] row of the new token
-        carried_logits, carried_hidden = self.run(batch, mtp_ids, hidden, rows=pick, ctx=mtp_ctx)
+        # the target's plan, the MTP layer's cache
+        carried_logits, carried_hidden = self.run(batch, mtp_ids, hidden, rows=pick, target_ctx=ctx)
         for b, seq in enumerate(seqs):
             state = self.state(seq)
             state.logits, state.hidden = carried_logits[b], carried_hidden[b]
