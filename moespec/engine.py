@@ -27,7 +27,7 @@ from moespec.cluster import Abort, Add, Cluster
 from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
-from moespec.overlap import PENDING, DeviceWorker, InFlight, fill_pending
+from moespec.overlap import PENDING, HostWorker, InFlight, fill_pending
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
@@ -149,7 +149,7 @@ class Engine:
         self.stats = StepStats()
         self.ids = itertools.count()
         self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
-        self.worker = DeviceWorker() if c.scheduler.overlap else None  # scheduler.overlap (moespec.overlap)
+        self.worker = HostWorker() if c.scheduler.overlap else None  # scheduler.overlap (moespec.overlap)
         self.in_flight: InFlight | None = None  # the launched step whose results the host reads next
         if self.lockstep is not None:
             self.step()  # every rank's first agreement: rank 0 learns each rank's load before any request
@@ -380,24 +380,42 @@ class Engine:
     # ------------------------------------------------------------------ overlapped step
 
     def run_overlapped(self) -> EngineOutputs:
-        """Schedule, pack, plan and launch step n+1, then process step n's results (one step
-        behind); a step that needs a token on the host first runs serially (moespec.overlap)."""
+        """Run step n (prepared by the previous call) while a helper thread schedules, packs and
+        plans step n+1; then process step n's results. A step that needs a token on the host
+        runs serially (moespec.overlap)."""
         start = time.perf_counter()
-        previous, self.in_flight = self.in_flight, None
+        ready, self.in_flight = self.in_flight, None
         if not self.can_overlap():
-            outputs = self.process(previous, start) if previous is not None else EngineOutputs()
+            outputs = self.run_prepared(ready, None, start) if ready is not None else EngineOutputs()
             return EngineOutputs(outputs.updated + self.run_serial().updated)
-        self.phase = "schedule"
-        scheduled = self.schedule()
-        if scheduled.chunks:
-            self.in_flight = self.launch(scheduled, previous, start)
-        outputs = self.process(previous, start) if previous is not None else EngineOutputs()
+        if ready is None:  # the pipeline starts: prepare a step here first
+            ready = self.prepare_next(None, start)
+            if ready is None:
+                return EngineOutputs()
+        following = self.worker.submit(self.prepare_next, ready, time.perf_counter())
+        return self.run_prepared(ready, following, start)
+
+    def run_prepared(self, flight: InFlight, following, start: float) -> EngineOutputs:
+        """Step n's device side on this thread (placeholders filled from step n-1's tokens), then,
+        once the helper has prepared step n+1 (`following`), n's tokens put in place."""
+        self.phase = f"target forward ({flight.prepared.batch.mode})"
+        device_start = time.perf_counter()
+        if flight.rows is not None:
+            fill_pending(flight.prepared.batch.input_ids, flight.rows, flight.sources, flight.previous_tokens)
+        result = self.execute(flight.prepared)
+        device_s = time.perf_counter() - device_start
+        if following is not None:
+            self.phase = "wait for the next step's preparation"
+            self.in_flight, _ = following.result()
+            if self.in_flight is not None:
+                self.in_flight.previous_tokens = result.tokens
+        outputs = self.process(flight, result, device_s, start)
         if self.in_flight is not None:
-            self.publish([c.seq for c in scheduled.chunks])  # their tokens are all known now
+            self.publish([c.seq for c in self.in_flight.prepared.scheduled.chunks])  # their tokens are known now
         return outputs
 
     def run_serial(self) -> EngineOutputs:
-        """A step as without overlap, all on this thread."""
+        """A step as without overlap."""
         worker, self.worker = self.worker, None
         try:
             return self.run_step()
@@ -413,14 +431,16 @@ class Engine:
                 return False
         return True
 
-    def launch(self, scheduled: SchedulerOutput, previous: InFlight | None, start: float) -> InFlight:
-        """Pack and plan the step, hand its device side to the worker, and advance the host's
-        view of its requests: KV computed through their chunks, one placeholder token per
-        sampled request."""
+    def prepare_next(self, previous: InFlight | None, start: float) -> InFlight | None:
+        """Schedule, pack and plan a step (None: nothing to run), and advance the host's view of
+        its requests: KV computed through their chunks, one placeholder token per sampled
+        request. Runs on the helper thread while `previous` computes."""
+        self.phase = "schedule"
+        scheduled = self.schedule()
+        if not scheduled.chunks:
+            return None
         prepared = self.prepare(scheduled, decide([self.report(scheduled, False)]), start)
         rows, sources = self.pending_rows(scheduled, previous)
-        future = self.worker.submit(self.execute_after, prepared, rows, sources,
-                                    previous.future if previous is not None else None)
         for chunk in scheduled.chunks:
             chunk.seq.num_computed = chunk.end
         pending_at = []
@@ -428,11 +448,11 @@ class Engine:
             pending_at.append(len(seq.output_ids))
             seq.output_ids.append(PENDING)
         prepared.host_s = time.perf_counter() - start
-        return InFlight(prepared, future, pending_at, start)
+        return InFlight(prepared, pending_at, rows, sources)
 
     def pending_rows(self, scheduled: SchedulerOutput, previous: InFlight | None):
         """Rows of this batch whose token is a placeholder of the previous step, and their rows
-        in its sampled tokens (host tensors; None when there are none)."""
+        in its sampled tokens (on the device; None when there are none)."""
         if previous is None:
             return None, None
         source_of = {id(seq): row for row, seq in enumerate(previous.prepared.sampled)}
@@ -445,21 +465,12 @@ class Engine:
                 sources.append(source_of[id(seq)])
         if not rows:
             return None, None
-        return torch.tensor(rows), torch.tensor(sources)
+        device = self.runner.device
+        return torch.tensor(rows).to(device, non_blocking=True), torch.tensor(sources).to(device, non_blocking=True)
 
-    def execute_after(self, prepared: PreparedStep, rows, sources, previous) -> SamplerOutput:
-        """Worker thread: fill the placeholders from the previous step's tokens, then forward
-        and sample."""
-        tokens = previous.result()[0].tokens if previous is not None else None  # done: one worker, in order
-        if rows is not None:
-            fill_pending(prepared.batch.input_ids, rows.to(tokens.device), sources.to(tokens.device), tokens)
-        return self.execute(prepared)
-
-    def process(self, flight: InFlight, call_start: float) -> EngineOutputs:
-        """Wait for a launched step and put its tokens where their placeholders are; a request
-        that finished or was aborted since drops its token."""
-        self.phase = "wait for the device"
-        result, device_s = flight.future.result()
+    def process(self, flight: InFlight, result: SamplerOutput, device_s: float, call_start: float) -> EngineOutputs:
+        """Put a step's tokens where their placeholders are; a request that finished or was
+        aborted since drops its token."""
         start = time.perf_counter()
         self.phase = "postprocess"
         tokens = result.tokens.tolist()
@@ -467,7 +478,7 @@ class Engine:
         for row, (seq, at) in enumerate(zip(flight.prepared.sampled, flight.pending_at)):
             if seq.is_finished:
                 continue
-            later = len(seq.output_ids) - at - 1  # placeholders of steps launched after this one
+            later = len(seq.output_ids) - at - 1  # placeholders of steps prepared after this one
             del seq.output_ids[at:]
             self.append_tokens(seq, [tokens[row]], [result.logprobs[row]])
             if not seq.is_finished:
