@@ -18,3 +18,6 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --set model.device=cuda \
     --modes none,draft:2,draft:4,mtp:1,mtp:2,mtp:3 --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head \
     --batch-sizes 1,4,16 --out "$OUT/spec-tiny-llama.json"
+# Compiled static steps (model.compile) and overlap scheduling against eager, side by side
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=cuda --modes none,mtp:2 \
+    --batch-sizes 1,16 --compile both --overlap both --repeats 2 --out "$OUT/compile-tiny-deepseek-v3.json"

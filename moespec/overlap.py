@@ -3,8 +3,8 @@
 Each engine call runs step n's forward and sampling on the engine's thread while one helper
 thread schedules, packs and plans step n+1 (torch releases the GIL inside its kernels, so on a
 CPU this is real concurrency; on CUDA the launches stay asynchronous). The device side stays
-on the engine's thread because torch's CPU kernels lose about 3x when a second thread runs its
-own parallel regions (`benchmarks/bench_engine.py --overlap`); the helper's host work uses
+on the engine's thread: with the forward on a second thread, every engine in the process ran
+2.5x slower on a 2-core CPU (two OpenMP teams contending), while the helper's host work uses
 small tensors only. The host reads a step's tokens one step behind:
 
   call k:  [helper: schedule, pack, plan n+1]  |  [engine thread: fill, forward, sample n]

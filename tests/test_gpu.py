@@ -126,3 +126,23 @@ def test_greedy_identity_of_every_speculation_mode_on_cuda(model, spec):
     got = [o.token_ids for o in fast.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
     assert fast.engine.spec_stats.steps > 0
+
+
+@pytest.mark.parametrize("model, spec, options", [
+    ("checkpoints/tiny-deepseek-v3", {"mode": "none"}, {"compile": True}),
+    ("checkpoints/tiny-deepseek-v3", {"mode": "none"}, {"overlap": True}),
+    ("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 2}, {"compile": True}),
+    ("checkpoints/tiny-llama", {"mode": "none"}, {"compile": True, "overlap": True}),
+])
+def test_compiled_and_overlapped_steps_on_cuda_give_the_same_tokens(model, spec, options):
+    """model.compile (torch.compile on CUDA) and scheduler.overlap against the plain engine."""
+    from moespec import LLM, SamplingParams
+    from moespec.bench import heldout_prompts
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    path = os.path.join(ROOT, model)
+    plain = LLM(model=path, device="cuda", speculation=spec, max_num_seqs=4)
+    prompts = heldout_prompts(plain.get_tokenizer(), 4, 64)
+    want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    other = LLM(model=path, device="cuda", speculation=spec, max_num_seqs=4, compile_batch_sizes=[4], **options)
+    other.engine.warm_up()
+    assert [o.token_ids for o in other.generate(prompts, greedy, use_tqdm=False)] == want
