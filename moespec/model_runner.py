@@ -68,13 +68,17 @@ class ModelRunner:
         set_single_row_padding(model, self.device.type == "cpu" and weights_stream)
 
     def plan(self, batch: Batch) -> ForwardContext:
-        """Host work for a batch: attention indices and masks (FlashInfer's plan)."""
+        """Host work for a batch: attention indices and masks (FlashInfer's plan). A batch that
+        runs static is planned padded only (`ctx.static`: its plan serves the MTP layer's
+        re-run too), and then `ctx.backend` is None."""
+        static = self.static.plan(batch) if self.static is not None and self.sync is None else None  # ranks: eager
+        if static is not None:
+            ctx = ForwardContext(None, self.cache.layers)
+            ctx.static = static
+            return ctx
         self.backend.plan(batch.attention_metadata())
         # a snapshot of the plan: under overlap scheduling the next plan is made while this one runs
-        ctx = ForwardContext(copy.copy(self.backend), self.cache.layers)
-        if self.static is not None and self.sync is None:  # ranks in lockstep run eager
-            ctx.static = self.static.plan(batch)
-        return ctx
+        return ForwardContext(copy.copy(self.backend), self.cache.layers)
 
     def warm_up(self, shapes: list[tuple[str, int, int]]) -> float:
         """Compile the static steps (mode, Q, sampled rows per request) of every bucket now;

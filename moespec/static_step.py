@@ -89,29 +89,28 @@ def uniform_shape(batch: Batch) -> tuple[int, int] | None:
 def pad_batch(batch: Batch, size: int, scratch_page: int, shape: tuple[int, int] | None = None) -> Batch:
     """`batch` (uniform) with requests added up to `size`, each at the last Q positions of the
     scratch page (so every padded request reads S slots: no dimension of size 1, which a compiled
-    graph would specialize on); their sampled rows follow the real ones. Token ids come from the
-    batch on its device (drafts are placed there by tensor ops), the rest from its host copy.
+    graph would specialize on); their sampled rows follow the real ones. Everything comes from
+    the host copy; the real rows' token ids as they are on the device when the step runs (drafts,
+    overlap's placeholders) are passed to `StaticSteps.forward`.
     `shape` (Q, sampled rows per request) for an empty batch (warm-up)."""
     host = batch.host or batch
     B, T, S = len(host.qo_bounds) - 1, host.num_tokens, host.page_size
     Q, per = shape or uniform_shape(host)
     pads = size - B
-    arange = torch.arange(1, pads + 1)
-    ends = T + Q * arange  # [pads] end row of each padded request
-    sample = torch.arange(T, T + pads * Q) if per == Q else ends - 1
-    padded = Batch(
-        host.mode,
-        input_ids=torch.zeros(0, dtype=torch.int64),  # placed below, on the device
-        positions=torch.cat([host.positions, torch.arange(S - Q, S).repeat(pads)]),
-        qo_indptr=torch.cat([host.qo_indptr, ends]),
-        kv_indptr=torch.cat([host.kv_indptr, host.kv_indptr[-1] + arange]),
-        kv_indices=torch.cat([host.kv_indices, torch.full((pads,), scratch_page)]),
-        kv_last_page_len=torch.cat([host.kv_last_page_len, torch.full((pads,), S)]),
-        sample_indices=torch.cat([host.sample_indices, sample]),
-        page_size=S, qo_bounds=host.qo_bounds + tuple(ends.tolist()))
-    padded = padded.to(batch.input_ids.device)
-    padded.input_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(pads * Q)])
-    return padded
+    ends = [T + Q * i for i in range(1, pads + 1)]  # end row of each padded request
+    kv_end = int(host.kv_indptr[-1])
+    parts = [host.input_ids.tolist() + [0] * (pads * Q),
+             host.positions.tolist() + list(range(S - Q, S)) * pads,
+             list(host.qo_bounds) + ends,
+             host.kv_indptr.tolist() + [kv_end + i for i in range(1, pads + 1)],
+             host.kv_indices.tolist() + [scratch_page] * pads,
+             host.kv_last_page_len.tolist() + [S] * pads,
+             host.sample_indices.tolist() + (list(range(T, T + pads * Q)) if per == Q else [e - 1 for e in ends])]
+    # one host tensor viewed as the fields, as pack_spans builds them (one small copy, not a cat per field)
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    padded = Batch(host.mode, *flat.split([len(part) for part in parts]), page_size=S,
+                   qo_bounds=tuple(host.qo_bounds) + tuple(ends))
+    return padded.to(batch.input_ids.device)
 
 
 class StaticSteps:
