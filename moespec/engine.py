@@ -44,6 +44,13 @@ from moespec.structured import Grammars
 logger = logging.getLogger(__name__)
 
 
+def needs_host_token(seq: Sequence) -> bool:
+    """Whether building a request's next step reads its previous token on the host (penalties
+    count the outputs; a grammar's matcher must see it before the next mask): its steps cannot
+    overlap (moespec.overlap)."""
+    return seq.params.penalized or seq.grammar is not None
+
+
 @dataclass
 class StepStats:
     """Cumulative wall time per phase, for the host-share measurement."""
@@ -150,7 +157,8 @@ class Engine:
         self.ids = itertools.count()
         self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
         self.worker = HostWorker() if c.scheduler.overlap else None  # scheduler.overlap (moespec.overlap)
-        self.in_flight: InFlight | None = None  # the launched step whose results the host reads next
+        self.in_flight: InFlight | None = None  # the prepared step that runs at the next call
+        self.num_serial = 0  # queued requests whose steps cannot overlap (needs_host_token)
         if self.lockstep is not None:
             self.step()  # every rank's first agreement: rank 0 learns each rank's load before any request
 
@@ -198,7 +206,8 @@ class Engine:
 
     def warm_up(self) -> float:
         """With model.compile: compile the static steps of every bucket now (decode, verify at
-        each draft length, the draft model's decode), so no serving step stalls on a compile.
+        each draft length, the draft model's decode, the MTP layer's re-run and chain steps), so
+        no serving step stalls on a compile.
         Returns the seconds it took."""
         k = self.speculator.max_tokens
         shapes = [("decode", 1, 1)] + [("verify", 1 + j, 1 + j) for j in range(1, k + 1)]
@@ -251,8 +260,7 @@ class Engine:
         seq = self.new_sequence(prompt, params, request_id)
         self.sequences[seq.request_id] = seq
         if self.cluster is None:
-            self.scheduler.add(seq)
-            self.stats.requests += 1
+            self.queue(seq)
         else:
             self.cluster.submit(seq, self.lockstep.plan.loads if self.lockstep.plan else None)
         return seq
@@ -302,8 +310,13 @@ class Engine:
             return
         seq = command.seq or self.new_sequence(command.prompt_ids, command.params, command.request_id)
         self.sequences[seq.request_id] = seq
+        self.queue(seq)
+
+    def queue(self, seq: Sequence) -> None:
+        """Hand a request to this engine's scheduler."""
         self.scheduler.add(seq)
         self.stats.requests += 1
+        self.num_serial += needs_host_token(seq)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self.in_flight is not None
@@ -336,8 +349,10 @@ class Engine:
             self.last_step = time.monotonic()
 
     def run_step(self, stop: bool = False) -> EngineOutputs:
-        if self.worker is not None:
-            return self.run_overlapped()
+        return self.run_overlapped() if self.worker is not None else self.run_serial(stop)
+
+    def run_serial(self, stop: bool = False) -> EngineOutputs:
+        """One step, all on this thread: schedule, agree, prepare, forward, sample, postprocess."""
         if self.cluster is not None and self.lockstep.plan is not None:
             self.phase = "receive commands from rank 0"
             for command in self.cluster.take_commands(self.lockstep.plan.sent[self.cluster.rank]):
@@ -385,7 +400,7 @@ class Engine:
         runs serially (moespec.overlap)."""
         start = time.perf_counter()
         ready, self.in_flight = self.in_flight, None
-        if not self.can_overlap():
+        if self.num_serial:  # a request needs its previous token on the host
             outputs = self.run_prepared(ready, None, start) if ready is not None else EngineOutputs()
             return EngineOutputs(outputs.updated + self.run_serial().updated)
         if ready is None:  # the pipeline starts: prepare a step here first
@@ -406,30 +421,13 @@ class Engine:
         device_s = time.perf_counter() - device_start
         if following is not None:
             self.phase = "wait for the next step's preparation"
-            self.in_flight, _ = following.result()
+            self.in_flight = following.result()
             if self.in_flight is not None:
                 self.in_flight.previous_tokens = result.tokens
         outputs = self.process(flight, result, device_s, start)
         if self.in_flight is not None:
             self.publish([c.seq for c in self.in_flight.prepared.scheduled.chunks])  # their tokens are known now
         return outputs
-
-    def run_serial(self) -> EngineOutputs:
-        """A step as without overlap."""
-        worker, self.worker = self.worker, None
-        try:
-            return self.run_step()
-        finally:
-            self.worker = worker
-
-    def can_overlap(self) -> bool:
-        """No request needs its previous token on the host to build the next step: no penalties
-        counted from the outputs, no grammar."""
-        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
-            p = seq.params
-            if seq.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-                return False
-        return True
 
     def prepare_next(self, previous: InFlight | None, start: float) -> InFlight | None:
         """Schedule, pack and plan a step (None: nothing to run), and advance the host's view of
@@ -733,6 +731,7 @@ class Engine:
     def finish(self, seq: Sequence, reason: str) -> None:
         while seq.output_ids and seq.output_ids[-1] == PENDING:  # overlap: steps still in flight
             seq.output_ids.pop()
+        self.num_serial -= needs_host_token(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.monotonic()

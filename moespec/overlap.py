@@ -25,7 +25,6 @@ Shapes legend: T tokens, N sampled rows.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -52,15 +51,10 @@ class HostWorker:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moespec-prepare")
 
     def submit(self, fn, *args) -> Future:
-        return self.pool.submit(timed, fn, *args)
+        return self.pool.submit(fn, *args)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-
-def timed(fn, *args):
-    start = time.perf_counter()
-    return fn(*args), time.perf_counter() - start
 
 
 def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:

@@ -72,6 +72,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Repetition, frequency or presence penalties: sampling reads the output tokens so far."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
     def _validate(self) -> None:
         _require(self.n >= 1, "n", self.n, "must be >= 1")
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,

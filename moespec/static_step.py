@@ -132,23 +132,18 @@ class StaticSteps:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32 * len(self.buckets) + 8)
         self.compiled = torch.compile(self.run_model, backend=COMPILE_BACKEND, dynamic=False)
 
-    def bucket(self, batch: Batch) -> int | None:
-        """The bucket a batch is padded to, or None when it runs eager."""
-        if batch.mode not in STATIC_MODES:
-            return None
-        shape = uniform_shape(batch)
-        if shape is None or shape[0] > self.page_size:  # a padded request's queries fit the scratch page
-            return None
-        i = bisect.bisect_left(self.buckets, len(batch.qo_bounds) - 1)
-        return self.buckets[i] if i < len(self.buckets) else None
-
     def plan(self, batch: Batch) -> StaticBatch | None:
-        """Pad and plan (host work, outside the compiled region); None: run eager."""
-        size = self.bucket(batch)
-        if size is None:
+        """Pad and plan (host work, outside the compiled region); None: run eager (not a
+        uniform batch, queries that overflow the scratch page, or larger than every bucket)."""
+        shape = uniform_shape(batch) if batch.mode in STATIC_MODES else None
+        if shape is None or shape[0] > self.page_size:
             return None
-        return self.plan_padded(pad_batch(batch, size, self.scratch_page), len(batch.qo_bounds) - 1,
-                                batch.num_tokens, batch.sample_indices.numel())
+        B = len(batch.qo_bounds) - 1
+        i = bisect.bisect_left(self.buckets, B)
+        if i == len(self.buckets):
+            return None
+        return self.plan_padded(pad_batch(batch, self.buckets[i], self.scratch_page, shape), B, batch.num_tokens,
+                                batch.sample_indices.numel())
 
     def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int) -> StaticBatch:
         self.backend.plan(padded.attention_metadata())

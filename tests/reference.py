@@ -50,3 +50,34 @@ def paged_forward(model, prompts: list[list[int]], page_size: int = 4, chunk: in
             outputs[i].append(logits[qo[j]:qo[j + 1]])
             done[i] += qo[j + 1] - qo[j]
     return [torch.cat(o) for o in outputs]
+
+
+def exact_joint(path, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:
+    """Distribution of the first `length` sampled tokens, from the target alone (no engine)."""
+    from moespec.models import load_model
+    from moespec.sampling import SamplingBatch, compute_probs
+    model = load_model(path, show_progress=False)
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, p in joint.items():
+            logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
+            batch = SamplingBatch.build([params], [prompt], [list(seq)], logits.shape[-1], "cpu")
+            probs = compute_probs(logits, batch)[0]
+            for t in torch.nonzero(probs).flatten().tolist():
+                nxt[seq + (t,)] = p * probs[t].item()
+        joint = nxt
+    return joint
+
+
+def joint_pvalue(joint: dict[tuple[int, ...], float], outputs: list[list[int]]) -> float:
+    """Chi-square p-value of sampled token sequences against `joint`; every output must lie in
+    its support."""
+    from scipy import stats
+    counts: dict[tuple[int, ...], int] = {}
+    for ids in outputs:
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+    assert set(counts) <= set(joint), "a sampled sequence outside the target's support"
+    cells = sorted(joint)
+    total = sum(joint.values())
+    return stats.chisquare([counts.get(c, 0) for c in cells], [joint[c] / total * len(outputs) for c in cells]).pvalue

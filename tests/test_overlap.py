@@ -57,31 +57,12 @@ def test_random_sampling_follows_the_model(llama_pair):
     """Unseeded sampling under overlap (a request that finished still takes a row, and its
     draw, in the step after): three tokens of 600 requests, 64 at a time, follow the model's
     joint distribution over the 27 cells of top-k 3 (chi-square)."""
-    from scipy import stats
-    from moespec.models import load_model
-    from moespec.sampling import SamplingBatch, compute_probs
-    from reference import paged_forward
+    from reference import exact_joint, joint_pvalue
     prompt, n = prompts([6], seed=7)[0], 600
     params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
     outs, _ = generate(llama_pair[0], [prompt] * n, params, overlap=True, max_num_seqs=64, num_kv_pages=1024,
                        max_num_batched_tokens=256)
-    model = load_model(llama_pair[0], show_progress=False)
-    joint = {(): 1.0}
-    for _ in range(3):
-        nxt = {}
-        for seq, p in joint.items():
-            logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
-            probs = compute_probs(logits, SamplingBatch.build([params], [prompt], [list(seq)], 120, "cpu"))[0]
-            for t in torch.nonzero(probs).flatten().tolist():
-                nxt[seq + (t,)] = p * probs[t].item()
-        joint = nxt
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(joint)
-    cells = sorted(joint)
-    expected = [joint[c] / sum(joint.values()) * n for c in cells]
-    assert stats.chisquare([counts.get(c, 0) for c in cells], expected).pvalue > 1e-3
+    assert joint_pvalue(exact_joint(llama_pair[0], prompt, params, 3), [o.token_ids for o in outs]) > 1e-3
 
 
 def test_same_tokens_under_preemption(model):
@@ -105,9 +86,10 @@ def test_penalties_and_grammars_run_serially_with_the_same_tokens(llama_pair):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
-def test_stop_strings_and_eos_end_a_request_one_step_early(tiny_tokenizer_model):
-    """A request that stops at step n was already scheduled in n+1: that token is dropped."""
-    path = tiny_tokenizer_model
+def test_stop_strings_and_eos_end_a_request_one_step_early():
+    """A request that stops at step n was already scheduled in n+1: that token is dropped. The
+    trained tiny Llama with its tokenizer."""
+    path = "checkpoints/tiny-llama"
     free, _ = generate(path, ["def main():"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                        page_size=8)
     text = free[0].text
@@ -119,11 +101,6 @@ def test_stop_strings_and_eos_end_a_request_one_step_early(tiny_tokenizer_model)
     assert got[0].finish_reason == "stop" and got[0].text == text[: text.index(stop)]
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
                                                                        for o in ref]
-
-
-@pytest.fixture
-def tiny_tokenizer_model():
-    return "checkpoints/tiny-llama"
 
 
 def test_abort_while_a_step_is_in_flight(llama_pair):

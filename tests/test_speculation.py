@@ -8,6 +8,7 @@ from scipy import stats
 
 from moespec import LLM, SamplingParams
 from moespec.speculation.verify import verify_lossless
+from reference import exact_joint, joint_pvalue
 
 
 def prompts(lengths, vocab=120, seed=0):
@@ -120,25 +121,6 @@ def test_logprobs_and_penalties_agree_with_no_speculation(deepseek_mtp, llama_pa
                 assert list(a.top) == list(b.top)
 
 
-def exact_joint(path, prompt, params, length):
-    """Distribution of the first `length` sampled tokens, from the target alone (no engine)."""
-    from moespec.models import load_model
-    from moespec.sampling import SamplingBatch, compute_probs
-    from reference import paged_forward
-    model = load_model(path, show_progress=False)
-    joint = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for seq, p in joint.items():
-            logits = paged_forward(model, [prompt + list(seq)])[0][-1:]
-            batch = SamplingBatch.build([params], [prompt], [list(seq)], logits.shape[-1], "cpu")
-            probs = compute_probs(logits, batch)[0]
-            for t in torch.nonzero(probs).flatten().tolist():
-                nxt[seq + (t,)] = p * probs[t].item()
-        joint = nxt
-    return joint
-
-
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-coupled", "unseeded-rejection"])
 @pytest.mark.parametrize("mode", ["mtp", "draft"])
 def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llama_pair, mode, seeded):
@@ -155,15 +137,7 @@ def test_speculative_sampling_follows_the_target_distribution(deepseek_mtp, llam
                                                       seed=1000 + i if seeded else None) for i in range(n)],
                         use_tqdm=False)
     assert llm.engine.spec_stats.steps > 0 and llm.engine.spec_stats.accepted_tokens < llm.engine.spec_stats.draft_tokens
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(joint)  # nothing outside the target's support
-    cells = sorted(joint)
-    observed = [counts.get(c, 0) for c in cells]
-    total = sum(joint.values())
-    expected = [joint[c] / total * n for c in cells]
-    assert stats.chisquare(observed, expected).pvalue > 1e-3
+    assert joint_pvalue(joint, [o.token_ids for o in outs]) > 1e-3  # and nothing outside its support
 
 
 @pytest.mark.parametrize("alpha, k", [(0.6, 3), (0.8, 2), (0.3, 4)])

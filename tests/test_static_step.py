@@ -5,7 +5,6 @@ Most tests trace with dynamo's "eager" backend: the padding, bucketing and graph
 code that runs, in seconds. One test compiles with inductor, as users run it."""
 import pytest
 import torch
-from scipy import stats
 
 import moespec.static_step as static_step
 from moespec import LLM, SamplingParams
@@ -169,33 +168,14 @@ def test_sampling_with_compile_follows_the_model(traced, llama_pair):
     """Random sampling through a padded static step: 600 requests prefill in one step, then
     decode in one step padded to the bucket of 608; the two tokens follow the model's joint
     distribution (chi-square over the 3 x 3 cells of top-k 3)."""
-    from moespec.sampling import SamplingBatch, compute_probs
-    from reference import paged_forward
+    from reference import exact_joint, joint_pvalue
     prompt, n = prompts([6], seed=7)[0], 600
     params = SamplingParams(temperature=1.5, top_k=3, max_tokens=2, ignore_eos=True)
     llm = LLM(model=llama_pair[0], page_size=4, num_kv_pages=2048, max_num_seqs=n, max_num_batched_tokens=4096,
               compile=True, compile_batch_sizes=[608])
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     assert llm.engine.runner.static.shapes == {(608, 608, 608)}
-    model = load_model(llama_pair[0], show_progress=False)
-
-    def probs_after(seq):
-        logits = paged_forward(model, [prompt + seq])[0][-1:]
-        return compute_probs(logits, SamplingBatch.build([params], [prompt], [seq], 120, "cpu"))[0]
-
-    joint = {}
-    first = probs_after([])
-    for a in torch.nonzero(first).flatten().tolist():
-        second = probs_after([a])
-        for b in torch.nonzero(second).flatten().tolist():
-            joint[(a, b)] = first[a].item() * second[b].item()
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert set(counts) <= set(joint)
-    cells = sorted(joint)
-    expected = [joint[c] / sum(joint.values()) * n for c in cells]
-    assert stats.chisquare([counts.get(c, 0) for c in cells], expected).pvalue > 1e-3
+    assert joint_pvalue(exact_joint(llama_pair[0], prompt, params, 2), [o.token_ids for o in outs]) > 1e-3
 
 
 def test_warm_up_compiles_every_bucket_before_serving(traced, llama_pair):
