@@ -28,22 +28,20 @@ class Batch:
     page_size: int
     qo_bounds: tuple[int, ...] = ()  # the host's copy of qo_indptr: splits a batch without reading the device
     host: "Batch | None" = None  # the batch as built on the host, once moved to a device
+    # draft trees (speculation/tree.py): tokens sit at KV positions other than their rotary
+    # positions (`positions`), and see only their ancestors among the batch's tokens
+    kv_positions: torch.Tensor | None = None  # [T] where each token's KV goes; None: its position
+    custom_mask: torch.Tensor | None = None  # flat bool, per request q_len x kv_len (attention.base)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
-    def slot_mapping(self) -> torch.Tensor:
-        """[T] cache row (page * S + offset) of every token."""
-        request = torch.repeat_interleave(torch.arange(self.qo_indptr.numel() - 1, device=self.positions.device),
-                                          self.qo_indptr[1:] - self.qo_indptr[:-1])
-        page = self.kv_indices[self.kv_indptr[request] + self.positions // self.page_size]
-        return page * self.page_size + self.positions % self.page_size
-
     def attention_metadata(self) -> AttentionMetadata:
         host = self.host.attention_metadata() if self.host is not None else None
+        positions = self.positions if self.kv_positions is None else self.kv_positions
         return AttentionMetadata(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
-                                 self.positions, self.page_size, host=host)
+                                 positions, self.page_size, custom_mask=self.custom_mask, host=host)
 
     def to(self, device: str | torch.device) -> "Batch":
         """The batch on `device`; it keeps the host original, so planning never copies back."""

@@ -58,6 +58,9 @@ class SpeculationSection:
     adaptive_margin: float = 0.05  # adaptive: how much faster a draft length must measure to take the lead
     # batch size -> speculative tokens; the largest key <= batch size applies; 0 turns speculation off
     schedule: dict | None = None
+    # a draft tree instead of a chain (speculation/tree.py): {top_k, depth, num_draft_tokens};
+    # auto: chains and trees measured side by side per batch size (adaptive), the fastest runs
+    tree: dict | Literal["auto"] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ class EngineConfig:
         if self.scheduler.overlap and (self.speculation.mode != "none" or self.parallel.ep_size > 1):
             raise ConfigError("scheduler.overlap is not supported with speculation or parallel.ep_size > 1 yet: "
                               "set speculation.mode: none and one process, or scheduler.overlap: false")
+        if self.speculation.tree is not None and self.speculation.mode != "none":
+            self.check_tree()
         if self.model.compile and self.parallel.ep_size > 1:
             raise ConfigError("model.compile is not supported with parallel.ep_size > 1 yet: expert-parallel "
                               "steps run eager")
@@ -148,6 +153,38 @@ class EngineConfig:
         for key in ("step_timeout_s", "drain_timeout_s"):
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
+
+
+    def check_tree(self) -> None:
+        tree_shapes(self.speculation)  # the shape's own checks
+        where = {"parallel.ep_size > 1": self.parallel.ep_size > 1,
+                 "speculation.acceptance: relaxed": self.speculation.acceptance != "lossless",
+                 "model.attention_backend: flashinfer": self.model.attention_backend != "torch"}
+        for what, present in where.items():
+            if present:
+                raise ConfigError(f"speculation.tree is not supported with {what} yet: draft trees run in one "
+                                  "process, verified losslessly, on the torch attention backend")
+
+
+def tree_shapes(spec: SpeculationSection) -> list:
+    """The draft trees (speculation.tree.TreeShape) a config asks for: none, its one, or auto's."""
+    from moespec.speculation.tree import TreeShape, auto_shapes
+
+    if spec.tree is None or spec.mode == "none":
+        return []
+    if spec.tree == "auto":
+        return auto_shapes(spec.num_speculative_tokens)
+    allowed = ("top_k", "depth", "num_draft_tokens")
+    for key in spec.tree:
+        if key not in allowed:
+            raise ConfigError(f"unknown key speculation.tree.{key}; allowed: {', '.join(allowed)}")
+    missing = [key for key in allowed if key not in spec.tree]
+    if missing:
+        raise ConfigError(f"speculation.tree needs {', '.join(missing)}")
+    try:
+        return [TreeShape(**spec.tree)]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_positive(value: int, key: str) -> None:

@@ -32,12 +32,14 @@ from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
 from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
-                              exact_tokens, greedy_tokens)
+                              exact_tokens, greedy_tokens, invert_cdf)
 from moespec.scheduler import Scheduler, SchedulerOutput
 from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
                                  verify_relaxed)
 from moespec.speculation.adaptive import SpeculationPolicy
+from moespec.speculation.tree import (DraftTree, TreeShape, compact_path, page_table, path_positions, tree_mask,
+                                      walk_tree)
 from moespec.static_step import compile_buckets
 from moespec.structured import Grammars
 
@@ -75,6 +77,11 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # [K] verify steps whose draft i was accepted
     drafted_at: list[int] = field(default_factory=list)  # [K] verify steps that drafted position i
+    by_tree: dict[str, list[int]] = field(default_factory=dict)  # tree shape label -> [verify steps, accepted]
+
+    def tree_accept_lengths(self) -> dict[str, float]:
+        """Accept length per tree shape that ran."""
+        return {label: (accepted + steps) / steps for label, (steps, accepted) in self.by_tree.items() if steps}
 
     @property
     def accept_length(self) -> float:
@@ -84,7 +91,12 @@ class SpecStats:
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
-    def add(self, k: int, num_accepted: list[int]) -> None:
+    def add(self, k: int, num_accepted: list[int], tree: TreeShape | None = None) -> None:
+        """A verify step of k draft positions (a tree: its depth) and each request's accepted drafts."""
+        if tree is not None:
+            counts = self.by_tree.setdefault(tree.label, [0, 0])
+            counts[0] += len(num_accepted)
+            counts[1] += sum(num_accepted)
         grow = k - len(self.accepted_at)
         if grow > 0:
             self.accepted_at += [0] * grow
@@ -108,6 +120,7 @@ class PreparedStep:
     host_s: float = 0.0
     num_spec: int = 0  # draft tokens per request this step
     plan: StepPlan | None = None
+    tree: TreeShape | None = None  # a speculative step that drafts this tree instead of a chain
 
 
 @dataclass
@@ -143,7 +156,9 @@ class Engine:
         if ranks is not None:
             self.attach_ranks(ranks)
         self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
-                                        c.speculation.adaptive, margin=c.speculation.adaptive_margin)
+                                        c.speculation.adaptive, margin=c.speculation.adaptive_margin,
+                                        trees=self.speculator.trees)
+        self.next_tree: TreeShape | None = None  # the tree the policy chose for the step being scheduled
         self.spec_stats = SpecStats()
         self.ran_plain = False  # plain decode steps ran since the last speculative step
         self.sampler = Sampler()
@@ -372,6 +387,8 @@ class Engine:
                 self.join_step(plan)
             return EngineOutputs()
         prepared = self.prepare(scheduled, plan, start)
+        if prepared.tree is not None:
+            return self.run_tree(prepared)
         if prepared.num_spec:
             return self.run_speculative(prepared)
         if self.lockstep is not None:
@@ -516,8 +533,9 @@ class Engine:
         chunks, spec = scheduled.chunks, self.speculator
         k_wish, room, lags = -1, 0, False
         synced_mtp = getattr(spec, "sync", None) is not None
+        self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
-            k_wish = self.policy.choose(len(chunks))
+            k_wish = self.fit_choice(self.policy.choose(len(chunks)), [c.seq for c in chunks])
             room = min(self.max_model_len - c.seq.num_tokens for c in chunks) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
         flush = synced_mtp and bool(chunks) and spec.needs_flush(chunks)
@@ -529,6 +547,16 @@ class Engine:
                           int(scheduled.is_decode_only or not chunks), T,
                           len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages,
                           moe_tokens)
+
+    def fit_choice(self, choice: int | TreeShape, seqs: list[Sequence]) -> int:
+        """The draft length to report for the policy's choice; a tree is kept for `prepare` when it
+        fits every request (room for its slots, no grammar), else a chain as deep runs instead."""
+        if not isinstance(choice, TreeShape):
+            return choice
+        room = min(self.max_model_len - seq.num_tokens for seq in seqs)
+        if room >= choice.lookahead - 1 and not any(seq.grammar is not None for seq in seqs):
+            self.next_tree = choice
+        return min(choice.depth, self.speculator.max_tokens)
 
     def join_step(self, plan: StepPlan) -> None:
         """Nothing scheduled here while other ranks run: join their MoE-bearing forwards empty."""
@@ -544,7 +572,8 @@ class Engine:
         sampled = [c.seq for c in scheduled.chunks if c.completes_prompt]
         num_spec = plan.ks[self.lockstep.rank if self.lockstep else 0]
         if num_spec:
-            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan)
+            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan,
+                                self.next_tree)
         batch = build_batch(scheduled.chunks, self.allocator.page_size, scheduled.mode)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
@@ -610,21 +639,97 @@ class Engine:
         lengths = [s.num_tokens for s in seqs]
         self.speculator.commit(seqs, lengths, num_accepted, k)
         self.spec_stats.add(k, num_accepted)
+        self.emit(prepared, num_accepted, tokens, logprobs, lengths, k, k, proposal.steady, start)
+        return EngineOutputs(list(seqs))
+
+    def emit(self, prepared: PreparedStep, num_accepted: list[int], tokens: list[list[int]], logprobs: list,
+             lengths: list[int], drafted: int, choice: int | TreeShape, steady: bool, start: float) -> None:
+        """Host side of a speculative step: per request its a accepted drafts and the target's
+        token (tokens and logprobs in rows of len(tokens[b])), then the step's measurements."""
+        seqs = prepared.sampled
         for b, (seq, a, m) in enumerate(zip(seqs, num_accepted, lengths)):
             seq.num_computed = m + a  # KV now holds the last token and the a accepted drafts
-            seq.metrics.num_draft_tokens += k
+            seq.metrics.num_draft_tokens += drafted
             seq.metrics.num_accepted_tokens += a
             seq.metrics.num_spec_steps += 1
-            self.append_tokens(seq, tokens[b][: a + 1], logprobs[b * (k + 1): b * (k + 1) + a + 1])
+            width = len(tokens[b])
+            self.append_tokens(seq, tokens[b][: a + 1], logprobs[b * width: b * width + a + 1])
         self.publish(seqs)
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
         # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
-        if proposal.steady or not self.ran_plain:
-            self.policy.record(len(seqs), k, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
+        if steady or not self.ran_plain:
+            self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
         self.ran_plain = False
+
+    # ------------------------------------------------------------------ draft tree step
+
+    def run_tree(self, prepared: PreparedStep) -> EngineOutputs:
+        """propose a tree -> the target verifies its 1+N nodes per request in one forward (tree
+        mask) -> walk the target's draws down the tree -> the drafter's and the target's KV of
+        the accepted path compacted -> host appends."""
+        start = time.perf_counter()
+        seqs, shape = prepared.sampled, prepared.tree
+        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
+        self.phase = f"{self.speculator.mode} propose tree"
+        tree = self.speculator.propose_tree(seqs, shape, rows)
+        batch = self.build_tree_batch(seqs, tree)
+        ctx = self.runner.plan(batch)
+        self.phase = "target forward (tree verify)"
+        hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(1+N), V]
+        self.phase = "verification"
+        target_rows = rows.tree_batch(tree)
+        uniforms = draw_uniform(rows.batch([]), shape.depth + 1)  # [B, D+1] one per depth
+        result = walk_tree(self.tree_draws(logits, target_rows, tree, uniforms), tree)
+        self.phase = f"{self.speculator.mode} accept tree"
+        self.speculator.accept_tree(seqs, batch, ctx, hidden, tree, result)
+        compact_path(self.runner.cache.layers, page_table(seqs, batch.input_ids.device), self.allocator.page_size,
+                     *path_positions(batch, result))
+        num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+        self.phase = "postprocess"
+        B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
+        path_rows = (torch.arange(B, device=logits.device)[:, None] * N1 + result.path).flatten()  # [B*(D+1)]
+        num_logprobs = [n for n in target_rows.num_logprobs[::N1] for _ in range(shape.depth + 1)]
+        logprobs = self.sampler.gather_logprobs_for(logits[path_rows], result.tokens.flatten(), num_logprobs)
+        lengths = [s.num_tokens for s in seqs]
+        self.speculator.commit_tree(seqs, lengths, num_accepted)
+        self.spec_stats.add(shape.depth, num_accepted, shape)
+        self.emit(prepared, num_accepted, tokens, logprobs, lengths, shape.num_draft_tokens, shape, tree.steady,
+                  start)
         return EngineOutputs(list(seqs))
+
+    def build_tree_batch(self, seqs: list[Sequence], tree: DraftTree) -> Batch:
+        """Per request: its last token and the tree's N nodes, node i at KV position m-1+i and
+        rotary position m-1+depth(i), seeing the context and its ancestors (tree.tree_mask)."""
+        N = tree.tokens.shape[1]
+        spans = [Span(s.pages, s.num_tokens - 1, [s.output_ids[-1]] + [0] * N) for s in seqs]
+        batch = pack_spans(spans, self.allocator.page_size, "verify").to(self.runner.device)
+        root = batch.input_ids.view(len(seqs), N + 1)[:, 0]
+        tokens, _, depths = tree.with_root(root.to(tree.tokens.device))
+        batch.input_ids = tokens.flatten().to(root.device)
+        batch.kv_positions = batch.positions
+        batch.positions = (batch.positions.view(len(seqs), N + 1)[:, :1] + depths.to(root.device)).flatten()
+        batch.custom_mask = tree_mask(torch.tensor([s.num_tokens - 1 for s in seqs]), tree.ancestors())
+        return batch
+
+    @staticmethod
+    def tree_draws(logits: torch.Tensor, target_rows: SamplingBatch, tree: DraftTree,
+                   uniforms: torch.Tensor) -> torch.Tensor:
+        """The target's own draw at every node [B, 1+N]: greedy and seeded rows their exact draws,
+        random rows an inverse-CDF draw with their request's uniform of the node's depth."""
+        B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
+        if target_rows.all_greedy:
+            return greedy_tokens(logits, target_rows).view(B, N1)
+        probs = compute_probs(logits, target_rows)
+        draws = exact_tokens(probs, target_rows)
+        if target_rows.random_rows:
+            _, _, depths = tree.with_root(tree.tokens[:, 0])
+            random = invert_cdf(probs, uniforms.gather(1, depths.to(uniforms.device)).flatten())
+            is_random = torch.zeros(B * N1, dtype=torch.bool)
+            is_random[list(target_rows.random_rows)] = True
+            draws = torch.where(is_random.to(draws.device), random, draws)
+        return draws.view(B, N1)
 
     @staticmethod
     def draw_verify_uniforms(seqs: list[Sequence], rows: DraftRows, k: int) -> torch.Tensor:

@@ -522,14 +522,20 @@ class Sampler:
 
     def gather_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
                         batch: SamplingBatch) -> list[TokenLogprobs | None]:
-        rows = [row for row, k in enumerate(batch.num_logprobs) if k is not None]
-        result: list[TokenLogprobs | None] = [None] * len(batch.num_logprobs)
+        return self.gather_logprobs_for(logits, tokens, batch.num_logprobs)
+
+    @staticmethod
+    def gather_logprobs_for(logits: torch.Tensor, tokens: torch.Tensor,
+                            num_logprobs: Sequence[int | None]) -> list[TokenLogprobs | None]:
+        """Logprobs of tokens [N] under logits [N, V] for the rows that ask (num_logprobs per row)."""
+        rows = [row for row, k in enumerate(num_logprobs) if k is not None]
+        result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
         if not rows:
             return result
-        num_top = max(batch.num_logprobs[row] for row in rows)
+        num_top = max(num_logprobs[row] for row in rows)
         index = torch.tensor(rows, device=logits.device)
         token_lp, top_ids, top_lps = compute_logprobs(logits[index], tokens[index], num_top)
         for row, lp, ids, lps in zip(rows, token_lp.tolist(), top_ids.tolist(), top_lps.tolist()):
-            k = batch.num_logprobs[row]
+            k = num_logprobs[row]
             result[row] = TokenLogprobs(lp, ids[:k], lps[:k])
         return result

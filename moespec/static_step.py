@@ -135,7 +135,7 @@ class StaticSteps:
     def plan(self, batch: Batch) -> StaticBatch | None:
         """Pad and plan (host work, outside the compiled region); None: run eager (not a
         uniform batch, queries that overflow the scratch page, or larger than every bucket)."""
-        shape = uniform_shape(batch) if batch.mode in STATIC_MODES else None
+        shape = uniform_shape(batch) if batch.mode in STATIC_MODES and batch.custom_mask is None else None
         if shape is None or shape[0] > self.page_size:
             return None
         B = len(batch.qo_bounds) - 1

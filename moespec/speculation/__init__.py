@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moespec.config import EngineConfig
+from moespec.config import EngineConfig, tree_shapes
 from moespec.static_step import compile_buckets
 from moespec.speculation.base import DraftRows, Proposal, Speculator
 from moespec.speculation.verify import VerifyResult, select_rows, verify_greedy, verify_lossless, verify_relaxed
@@ -13,6 +13,12 @@ __all__ = ["DraftRows", "Proposal", "Speculator", "VerifyResult", "create_specul
 
 
 def create_speculator(config: EngineConfig, target, target_runner) -> Speculator:
+    speculator = create_mode(config, target, target_runner)
+    speculator.trees = tuple(tree_shapes(config.speculation))
+    return speculator
+
+
+def create_mode(config: EngineConfig, target, target_runner) -> Speculator:
     spec, cache = config.speculation, config.cache
     if spec.mode == "none":
         return Speculator()
@@ -52,6 +58,8 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
                              "set speculation.mtp_head to a head trained with `moespec train-mtp-head`")
         mtp = target
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
-    return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
-                         target.config.hidden_size, dtype, config.model.device, config.model.attention_backend,
-                         compile_buckets(config), cache.num_kv_pages)
+    speculator = MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs,
+                               cache.page_size, target.config.hidden_size, dtype, config.model.device,
+                               config.model.attention_backend, compile_buckets(config), cache.num_kv_pages)
+    speculator.own_cache = caches is not target_runner.cache.layers
+    return speculator

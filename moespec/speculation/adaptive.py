@@ -20,10 +20,18 @@ re-measurement runs `explore_steps` steps in a row. Its interval doubles, from
 request's prompt, or on the token of a step that mixed decodes with a prefill chunk, is
 recorded: plain decoding never pays it, and under traffic where requests come and go it
 recurs, so it belongs to what speculating costs.
+
+Draft trees (`speculation.tree`) join the lengths as further choices: a step runs a chain of
+some length, a tree shape, or nothing, and the shapes are measured like the lengths. A fixed
+tree without `adaptive` runs wherever the table says to speculate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from moespec.speculation.tree import TreeShape
+
+Choice = int | TreeShape  # a chain's draft length (0: none) or a tree
 
 
 @dataclass
@@ -47,16 +55,18 @@ class Measure:
 
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
-                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05) -> None:
+                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05,
+                 trees: tuple[TreeShape, ...] = ()) -> None:
         self.max_tokens = max_tokens
+        self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
         self.margin = margin
-        self.measures: dict[tuple[int, int], Measure] = {}
+        self.measures: dict[tuple[int, Choice], Measure] = {}
         self.steps: dict[int, int] = {}
         self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
-        self.leaders: dict[int, int] = {}  # bucket -> k that won the last comparison
+        self.leaders: dict[int, Choice] = {}  # bucket -> the choice that won the last comparison
         self.next_explore: dict[int, int] = {}  # bucket -> step of the next re-measurement
 
     def table_k(self, batch_size: int) -> int:
@@ -70,15 +80,18 @@ class SpeculationPolicy:
     def bucket(batch_size: int) -> int:
         return 1 << (batch_size - 1).bit_length()  # 1, 2, 4, 8, ...
 
-    @staticmethod
-    def candidates(k: int) -> list[int]:
-        """Draft lengths worth measuring up to k, longest first: k, the powers of two below it, 0."""
-        return sorted({k, 0} | {1 << i for i in range(k.bit_length()) if 1 << i < k}, reverse=True)
+    def candidates(self, k: int) -> list[Choice]:
+        """Choices worth measuring up to k: the trees, then the draft lengths longest first (k, the
+        powers of two below it, 0)."""
+        lengths = sorted({k, 0} | {1 << i for i in range(k.bit_length()) if 1 << i < k}, reverse=True)
+        return list(self.trees) + lengths
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int) -> Choice:
         k = self.table_k(batch_size)
-        if not self.adaptive or k == 0:
-            return k
+        if k == 0:
+            return 0
+        if not self.adaptive:
+            return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         step = self.steps.get(bucket, 0)
         self.steps[bucket] = step + 1
@@ -101,7 +114,7 @@ class SpeculationPolicy:
         self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
         return best
 
-    def best(self, bucket: int, lengths: list[int]) -> int:
+    def best(self, bucket: int, lengths: list[Choice]) -> Choice:
         """The length to run: the leader stays unless another beats it by the margin, except
         that plain decoding takes over as soon as it measures at least as fast as speculating."""
         rate = {length: self.measures[bucket, length].rate for length in lengths}
@@ -111,7 +124,7 @@ class SpeculationPolicy:
         fastest = max((length for length in lengths if length), key=rate.get)
         return fastest if rate[fastest] > (1 + self.margin) * rate[leader] else leader
 
-    def record(self, batch_size: int, k: int, tokens_per_request: float, seconds: float) -> None:
+    def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:
             return
         self.measures.setdefault((self.bucket(batch_size), k), Measure()).add(tokens_per_request, seconds)

@@ -13,6 +13,9 @@ Life of a decode step with speculation (see Engine.run_speculative):
   commit(seqs, ...)     host bookkeeping once accepted lengths are read
   release(seq)          a request finished or was preempted: its draft state is gone
 
+Draft trees (speculation/tree.py) take the same course through `propose_tree`, `accept_tree`
+(after which the engine compacts the target's KV to the accepted path) and `commit_tree`.
+
 Prefix caching: `kv_tokens(seq)` says which positions of a request its caches hold for good
 (a page is cached with them once they cover it), and `start_at(seq, n)` starts a request
 admitted with n cached positions that its caches hold too.
@@ -26,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from moespec.batch import Batch
-from moespec.sampling import SamplingBatch, compute_probs, sample
+from moespec.sampling import SamplingBatch, apply_penalties, compute_probs, sample
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
+from moespec.speculation.tree import DraftTree, TreeResult, TreeShape
 from moespec.structured import DraftMasks, Grammars
 
 
@@ -46,11 +50,14 @@ class Speculator:
     max_tokens = 0  # the most draft tokens a step may ask for
     kv_lookahead = 0  # tokens after a position that this mode's KV there depends on
     kv_from_tokens = True  # can compute its KV of cached pages that lack it from their tokens alone
+    trees: tuple[TreeShape, ...] = ()  # the draft trees a step may ask for
 
     @property
     def lookahead(self) -> int:
-        """KV slots a request needs beyond its next token (verify writes K, a draft may write one more)."""
-        return self.max_tokens + 1 if self.max_tokens else 0
+        """KV slots a request needs beyond its next token (verify writes K, a draft may write one
+        more; a tree as many as its nodes or the drafter's frontier slots)."""
+        chain = self.max_tokens + 1 if self.max_tokens else 0
+        return max([chain] + [shape.lookahead for shape in self.trees])
 
     def state_bytes(self) -> int:
         """Bytes the per-request draft state of all running requests may hold between steps, beyond
@@ -79,6 +86,18 @@ class Speculator:
 
     def commit(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int], k: int) -> None:
         pass
+
+    def propose_tree(self, seqs: list[Sequence], shape: TreeShape, rows: "DraftRows") -> DraftTree:
+        """Catch up like `propose`, then expand and rerank a draft tree (tree.grow_tree)."""
+        raise NotImplementedError(f"speculation mode {self.mode!r} drafts no trees")
+
+    def accept_tree(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, tree: DraftTree,
+                    result: TreeResult) -> None:
+        """After a tree's verification, tensors only: the drafter's state and KV along the accepted
+        path (the engine compacts the target's KV afterwards)."""
+
+    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int]) -> None:
+        """Host bookkeeping after a tree step."""
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -132,6 +151,51 @@ class DraftRows:
                 outputs.append(seq.output_ids + extra)
         return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
                                    eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+
+    def repeated(self, repeat: int) -> SamplingBatch:
+        """Each request's rows for its next token, `repeat` times over (a tree's frontier)."""
+        seqs = [s for s in self.seqs for _ in range(repeat)]
+        return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                   [s.output_ids for s in seqs], self.vocab_size, self.device,
+                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+
+    def expansion_logprobs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """Draft log-probabilities [B*repeat, V] that rank a tree's candidates: the distribution a
+        random row samples from; for greedy rows, the penalized softmax (their one-hot ranks nothing)."""
+        sampling = self.repeated(repeat)
+        soft = apply_penalties(logits.float(), sampling).log_softmax(-1)
+        if sampling.all_greedy:
+            return soft
+        probs = compute_probs(logits.float(), sampling).log()
+        return probs if sampling.greedy is None else torch.where(sampling.greedy[:, None], soft, probs)
+
+    def tree_batch(self, tree: DraftTree) -> SamplingBatch:
+        """Rows for the target at each of a tree's 1 + N nodes per request: the request's outputs
+        followed by the drafts on the node's path (penalties, min_tokens and seeded positions see them)."""
+        B, N = tree.tokens.shape
+        depths = tree.depths.tolist()
+        paths = self.tree_paths(tree) if self.needs_values else None
+        params, prompts, outputs = [], [], []
+        for b, seq in enumerate(self.seqs):
+            for i in range(1 + N):
+                extra = paths[b][i] if paths is not None else [0] * (depths[b][i - 1] if i else 0)
+                params.append(seq.params)
+                prompts.append(seq.prompt_ids)
+                outputs.append(seq.output_ids + extra)
+        return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
+                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+
+    @staticmethod
+    def tree_paths(tree: DraftTree) -> list[list[list[int]]]:
+        """Per request and node (the root first), the draft tokens from the root down to it."""
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        paths = []
+        for toks, pars in zip(tokens, parents):
+            nodes = [[]]
+            for token, parent in zip(toks, pars):
+                nodes.append(nodes[parent] + [token])
+            paths.append(nodes)
+        return paths
 
     def target_batch(self, drafts: torch.Tensor) -> SamplingBatch:
         """Rows for the target's 1 + K verify positions of each request, for drafts [B, K]."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from moespec.batch import Span, pack_spans
+from moespec.batch import Batch, Span, pack_spans
 from moespec.model_runner import ModelRunner
 from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator
+from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, grow_tree, page_table,
+                                      tree_level_batch)
 
 
 class DraftModelSpeculator(Speculator):
@@ -29,6 +31,7 @@ class DraftModelSpeculator(Speculator):
         self.max_tokens = num_tokens
         self.page_size = page_size
         self.computed: dict[str, int] = {}  # request -> tokens in the draft's KV
+        self.kept: torch.Tensor | None = None  # [B] after a tree step: accepted drafts whose KV the draft kept
 
     def warm_up(self) -> float:
         return self.runner.warm_up([("draft_extend", 1, 1)])  # the draft's decode steps
@@ -72,6 +75,47 @@ class DraftModelSpeculator(Speculator):
         batch = pack_spans(spans, self.page_size, "draft_extend").to(self.runner.device)
         batch.input_ids = token
         return self.runner.forward(batch, self.runner.plan(batch))[1]
+
+    @torch.inference_mode()
+    def propose_tree(self, seqs: list[Sequence], shape: TreeShape, rows: DraftRows) -> DraftTree:
+        """Expand a tree: each frontier level is one draft forward over K nodes per request, at
+        rotary position m-1+level and KV slots past the draft's context (positions 0..m-1)."""
+        unseen = max(s.num_tokens - self.computed.get(s.request_id, 0) for s in seqs)
+        logits = self.catch_up(seqs)  # [B, V]
+        K, B = shape.top_k, len(seqs)
+        context = [s.num_tokens for s in seqs]
+
+        def forward(level: int, tokens: torch.Tensor, parent: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+            batch = tree_level_batch(seqs, context, level, K, visible, self.page_size, self.runner.device)
+            batch.input_ids = tokens.flatten()
+            logits = self.runner.forward(batch, self.runner.plan(batch))[1]  # [B*K, V]
+            return rows.expansion_logprobs(logits, K).view(B, K, -1)
+
+        tree = grow_tree(shape, rows.expansion_logprobs(logits), forward)
+        tree.steady = unseen <= 2
+        return tree
+
+    @torch.inference_mode()
+    def accept_tree(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, tree: DraftTree,
+                    result: TreeResult) -> None:
+        """Keep the draft's KV of the accepted drafts it ran (every path node but possibly the
+        last), moved from its frontier slots to their positions m-1+d."""
+        B, D1 = result.path.shape
+        root = batch.kv_positions.view(B, -1)[:, :1]  # [B, 1] m-1
+        slots = torch.cat([torch.full_like(tree.draft_slots[:, :1], -1), tree.draft_slots], 1).gather(1, result.path)
+        depth = torch.arange(D1, device=root.device)[None, :]
+        ran = (depth >= 1) & (depth <= result.num_accepted[:, None]) & (slots >= 0)  # [B, D+1]
+        ran[:, 1:] = ran[:, 1:].long().cumprod(1).bool()
+        targets = root + depth
+        compact_path(self.runner.cache.layers, page_table(seqs, root.device), self.page_size,
+                     torch.where(ran, root + 1 + slots, targets), targets)
+        self.kept = ran.long().sum(1)
+
+    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int]) -> None:
+        kept = self.kept.tolist()
+        for seq, m, n in zip(seqs, lengths_before, kept):
+            if seq.request_id in self.computed:
+                self.computed[seq.request_id] = m + n
 
     def commit(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int], k: int) -> None:
         # the draft saw d_1 .. d_{k-1}: those that were accepted stay valid in its cache
