@@ -3,7 +3,10 @@
   moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 \
       --batch-sizes 1,4,16 --out results.json [--plot results.png] [--hf-assisted]
 
-A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the config). Prompts
+A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the config), or a draft
+tree: `mtp-tree:4x3x8` / `draft-tree:4x3x8` (top_k x depth x draft tokens), or `mtp-tree:auto`
+(chains and trees measured per batch size; with --adaptive on). Each tree shape that ran
+reports its accept length (`tree_accept_lengths`). Prompts
 are held-out windows of the corpus. Batch size b means serving b requests at a time
 (`scheduler.max_num_seqs` = b): the prompts of a turn, --waves x b of them, are submitted at
 once and a finished request's slot goes to the next waiting one, so the batch stays full
@@ -49,7 +52,8 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--modes", default="none,mtp", help="comma list: none, mtp[:k], draft[:k]")
+    parser.add_argument("--modes", default="none,mtp",
+                        help="comma list: none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto")
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8,
@@ -82,13 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_mode(text: str) -> tuple[str, dict]:
-    name, _, k = text.partition(":")
-    if name not in ("none", "mtp", "draft"):
-        raise ValueError(f"--modes: {name!r} is not a mode; allowed: none, mtp[:k], draft[:k]")
-    spec = {"mode": name}
-    if k:
-        spec["num_speculative_tokens"] = int(k)
-    return text, spec
+    from moespec.speculation.tree import TreeShape
+
+    name, _, arg = text.partition(":")
+    allowed = "none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto, draft-tree:auto"
+    if name not in ("none", "mtp", "draft", "mtp-tree", "draft-tree"):
+        raise ValueError(f"--modes: {name!r} is not a mode; allowed: {allowed}")
+    if not name.endswith("-tree"):
+        spec = {"mode": name, "tree": None}
+        if arg:
+            spec["num_speculative_tokens"] = int(arg)
+        return text, spec
+    if arg == "auto":
+        return text, {"mode": name[:-5], "tree": "auto"}
+    try:
+        shape = TreeShape.parse(arg)
+    except ValueError as e:
+        raise ValueError(f"--modes {text!r}: {e}") from None
+    return text, {"mode": name[:-5], "num_speculative_tokens": shape.depth,
+                  "tree": {"top_k": shape.top_k, "depth": shape.depth, "num_draft_tokens": shape.num_draft_tokens}}
 
 
 def switch_values(choice: str, configured: bool) -> list[bool]:
@@ -132,7 +148,8 @@ def output_lengths(count: int, mean: int, spread: float) -> list[int]:
 
 
 def snapshot(stats) -> tuple:
-    return stats.steps, stats.accepted_tokens, list(stats.accepted_at), list(stats.drafted_at)
+    return (stats.steps, stats.accepted_tokens, list(stats.accepted_at), list(stats.drafted_at),
+            {label: list(counts) for label, counts in stats.by_tree.items()})
 
 
 def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0) -> dict:
@@ -142,6 +159,8 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0
     acc_at = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(s.accepted_at)]
     drafted = [d - (before[3][i] if i < len(before[3]) else 0) for i, d in enumerate(s.drafted_at)]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    trees = {label: (steps_ - before[4].get(label, [0, 0])[0], acc - before[4].get(label, [0, 0])[1])
+             for label, (steps_, acc) in s.by_tree.items()}
     return {
         "seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
         "ttft_ms": 1e3 * mean([o.metrics.ttft for o in outs if o.metrics.ttft is not None]),
@@ -153,6 +172,8 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0
         "cached_shared_share": (sum(min(o.num_cached_tokens, shared) for o in outs) / (shared * len(outs))
                                 if shared else None),
         "acceptance_by_position": [a / d if d else None for a, d in zip(acc_at, drafted)],
+        "tree_accept_lengths": {label: (acc + n) / n for label, (n, acc) in trees.items() if n},
+        "tree_step_share": (sum(n for n, _ in trees.values()) / steps) if steps and trees else None,
         "spec_steps": steps,
     }
 

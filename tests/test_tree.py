@@ -283,3 +283,13 @@ def test_auto_trees_run_and_stay_exact(deepseek_mtp):
     got, llm = generate(deepseek_mtp, spec, batch, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert set(llm.engine.spec_stats.by_tree) == {"2x2x4", "4x2x8"}  # both measured
+
+
+def test_bench_tree_modes_parse():
+    from moespec.bench import parse_mode
+    assert parse_mode("mtp-tree:4x3x8")[1] == {"mode": "mtp", "num_speculative_tokens": 3,
+                                               "tree": {"top_k": 4, "depth": 3, "num_draft_tokens": 8}}
+    assert parse_mode("draft-tree:auto")[1] == {"mode": "draft", "tree": "auto"}
+    assert parse_mode("mtp:2")[1] == {"mode": "mtp", "tree": None, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="TOPKxDEPTHxTOKENS"):
+        parse_mode("mtp-tree:4x3")
