@@ -360,7 +360,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits + batch.logit_bias
     if batch.seen is not None:
         penalty = batch.repetition_penalty.unsqueeze(1).clamp(min=torch.finfo(torch.float32).tiny)  # [N,1]
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # an extreme penalty overflows; a penalized token becomes unlikely, never impossible
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-FLOAT32_MAX, FLOAT32_MAX)
         logits = keep_finite(torch.where(batch.seen, penalized, logits))
     if batch.output_counts is not None:
         counts = batch.output_counts
@@ -370,6 +371,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     if batch.allowed is not None:
         logits = logits.masked_fill(~batch.allowed, float("-inf"))
+        # every token the grammar allows was held back (min_tokens): they stay possible
+        empty = logits.amax(-1, keepdim=True) == float("-inf")  # [N,1]
+        logits = torch.where(empty & batch.allowed, 0.0, logits)
     return logits
 
 

@@ -374,3 +374,17 @@ def test_extreme_parameters_still_sample_real_tokens(params):
     tokens = sample(probs, batch)
     assert ((tokens >= 0) & (tokens < 30)).all()
     assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=4e307), SamplingParams(min_tokens=5)],
+                         ids=["penalty-overflows-to-minus-inf", "min-tokens-holds-back-the-only-token"])
+def test_a_grammar_row_whose_allowed_tokens_are_impossible_stays_a_distribution(params):
+    """A grammar allowing only token 3 (the EOS), which the prompt made a huge penalty push to
+    -inf, or which min_tokens holds back: the row samples token 3, not NaN (whose draw would be
+    an id outside the vocabulary)."""
+    logits = -random_logits(2, 30, seed=4).abs() - 1  # every logit negative: a penalty multiplies
+    batch = SamplingBatch.build([params] * 2, [[3, 7]] * 2, [[]] * 2, 30, torch.device("cpu"), eos_token_ids=(3,))
+    batch = batch.constrained(torch.tensor([[1 << 3]] * 2, dtype=torch.int32), 30)
+    probs = compute_probs(logits, batch)
+    assert torch.isfinite(probs).all() and (probs[:, 3] == 1).all()
+    assert sample(probs, batch).tolist() == [3, 3]
