@@ -705,11 +705,10 @@ class Engine:
         N = tree.tokens.shape[1]
         spans = [Span(s.pages, s.num_tokens - 1, [s.output_ids[-1]] + [0] * N) for s in seqs]
         batch = pack_spans(spans, self.allocator.page_size, "verify").to(self.runner.device)
-        root = batch.input_ids.view(len(seqs), N + 1)[:, 0]
-        tokens, _, depths = tree.with_root(root.to(tree.tokens.device))
-        batch.input_ids = tokens.flatten().to(root.device)
+        root = batch.input_ids.view(len(seqs), N + 1)[:, :1]
+        batch.input_ids = torch.cat([root, tree.tokens.to(root.device)], 1).flatten()
         batch.kv_positions = batch.positions
-        batch.positions = (batch.positions.view(len(seqs), N + 1)[:, :1] + depths.to(root.device)).flatten()
+        batch.positions = (batch.positions.view(len(seqs), N + 1)[:, :1] + tree.node_depths().to(root.device)).flatten()
         batch.custom_mask = tree_mask(torch.tensor([s.num_tokens - 1 for s in seqs]), tree.ancestors())
         return batch
 
@@ -724,8 +723,7 @@ class Engine:
         probs = compute_probs(logits, target_rows)
         draws = exact_tokens(probs, target_rows)
         if target_rows.random_rows:
-            _, _, depths = tree.with_root(tree.tokens[:, 0])
-            random = invert_cdf(probs, uniforms.gather(1, depths.to(uniforms.device)).flatten())
+            random = invert_cdf(probs, uniforms.gather(1, tree.node_depths().to(uniforms.device)).flatten())
             is_random = torch.zeros(B * N1, dtype=torch.bool)
             is_random[list(target_rows.random_rows)] = True
             draws = torch.where(is_random.to(draws.device), random, draws)

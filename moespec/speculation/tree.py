@@ -107,11 +107,9 @@ class DraftTree:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
-    def with_root(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, parents, depths) [B, 1+N] with the root, node 0, in front (its parent is itself)."""
-        zero = torch.zeros_like(self.parents[:, :1])
-        return (torch.cat([root[:, None], self.tokens], 1), torch.cat([zero, self.parents], 1),
-                torch.cat([zero, self.depths], 1))
+    def node_depths(self) -> torch.Tensor:
+        """[B, 1+N] the depth of every node, the root (0) first."""
+        return torch.cat([torch.zeros_like(self.depths[:, :1]), self.depths], 1)
 
     def ancestors(self) -> torch.Tensor:
         """[B, 1+N, 1+N] bool: node i sees node j (j is i, the root or an ancestor of i)."""
