@@ -5,7 +5,7 @@
 
 A mode is `none`, `mtp[:k]` or `draft[:k]` (draft model / MTP head from the config), or a draft
 tree: `mtp-tree:4x3x8` / `draft-tree:4x3x8` (top_k x depth x draft tokens), or `mtp-tree:auto`
-(chains and trees measured per batch size; with --adaptive on). Each tree shape that ran
+(chains and trees measured per batch size: adaptive, whatever --adaptive says). Each tree shape that ran
 reports its accept length (`tree_accept_lengths`). Prompts
 are held-out windows of the corpus. Batch size b means serving b requests at a time
 (`scheduler.max_num_seqs` = b): the prompts of a turn, --waves x b of them, are submitted at
@@ -97,8 +97,8 @@ def parse_mode(text: str) -> tuple[str, dict]:
         if arg:
             spec["num_speculative_tokens"] = int(arg)
         return text, spec
-    if arg == "auto":
-        return text, {"mode": name[:-5], "tree": "auto"}
+    if arg == "auto":  # chains and trees measured per batch size: adaptive whatever --adaptive says
+        return text, {"mode": name[:-5], "tree": "auto", "adaptive": True}
     try:
         shape = TreeShape.parse(arg)
     except ValueError as e:
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         engines = {}
         for label, spec, on, compiled, overlap in variants:
             scheduler = replace(base.scheduler, max_num_seqs=batch, overlap=overlap)
-            fields = {**vars(base.speculation), **spec, "adaptive": args.adaptive == "on"}
+            fields = {**vars(base.speculation), "adaptive": args.adaptive == "on", **spec}  # *-tree:auto adapts
             engines[label] = LLM(config=replace(base, scheduler=scheduler, cache=replace(base.cache, prefix_caching=on),
                                                 model=replace(base.model, compile=compiled),
                                                 speculation=replace(base.speculation, **fields)))

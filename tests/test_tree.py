@@ -224,7 +224,8 @@ def test_tree_logprobs_penalties_and_seeds_agree_with_no_speculation(deepseek_mt
     for params in (SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2,
                                   repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
                    SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, logprobs=1, seed=11,
-                                  frequency_penalty=0.4, min_tokens=5)):
+                                  frequency_penalty=0.4, min_tokens=5),
+                   SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, logprobs=1, seed=5)):
         ref, _ = generate(deepseek_mtp, None, batch, params)
         got, llm = generate(deepseek_mtp, spec, batch, params)
         assert llm.engine.spec_stats.by_tree["3x2x5"][0] > 0
@@ -289,7 +290,7 @@ def test_bench_tree_modes_parse():
     from moespec.bench import parse_mode
     assert parse_mode("mtp-tree:4x3x8")[1] == {"mode": "mtp", "num_speculative_tokens": 3,
                                                "tree": {"top_k": 4, "depth": 3, "num_draft_tokens": 8}}
-    assert parse_mode("draft-tree:auto")[1] == {"mode": "draft", "tree": "auto"}
+    assert parse_mode("draft-tree:auto")[1] == {"mode": "draft", "tree": "auto", "adaptive": True}
     assert parse_mode("mtp:2")[1] == {"mode": "mtp", "tree": None, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="TOPKxDEPTHxTOKENS"):
         parse_mode("mtp-tree:4x3")

@@ -24,7 +24,7 @@ Shapes legend: T tokens, B requests, K draft tokens per request, V vocab, M hidd
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -128,6 +128,7 @@ class DraftRows:
         # without penalties and past min_tokens, the drafts so far do not change a draft row
         self.drafts_matter = self.needs_values or any(len(s.output_ids) < s.params.min_tokens for s in seqs)
         self.draft_rows: SamplingBatch | None = None
+        self.repeats: dict[int, SamplingBatch] = {}  # repeat count -> rows (a tree's levels share them)
         states = [s.grammar for s in seqs]
         self.masks = DraftMasks(grammars, states) if grammars is not None and any(states) else None
 
@@ -154,10 +155,12 @@ class DraftRows:
 
     def repeated(self, repeat: int) -> SamplingBatch:
         """Each request's rows for its next token, `repeat` times over (a tree's frontier)."""
-        seqs = [s for s in self.seqs for _ in range(repeat)]
-        return SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                   [s.output_ids for s in seqs], self.vocab_size, self.device,
-                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+        if repeat not in self.repeats:
+            seqs = [s for s in self.seqs for _ in range(repeat)]
+            self.repeats[repeat] = SamplingBatch.build(
+                [s.params for s in seqs], [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
+                self.vocab_size, self.device, eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+        return self.repeats[repeat]
 
     def expansion_logprobs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """Draft log-probabilities [B*repeat, V] that rank a tree's candidates: the distribution a
@@ -173,6 +176,12 @@ class DraftRows:
         """Rows for the target at each of a tree's 1 + N nodes per request: the request's outputs
         followed by the drafts on the node's path (penalties, min_tokens and seeded positions see them)."""
         B, N = tree.tokens.shape
+        if not self.drafts_matter:  # rows differ by the position a seeded row draws at only
+            rows = self.repeated(1 + N)
+            if rows.seeded_index is None:
+                return rows
+            depths = tree.node_depths().flatten().to(rows.positions.device)
+            return replace(rows, positions=rows.positions + depths[rows.seeded_index])
         depths = tree.depths.tolist()
         paths = self.tree_paths(tree) if self.needs_values else None
         params, prompts, outputs = [], [], []
