@@ -235,11 +235,13 @@ def test_policy_picks_the_fastest_draft_length_or_plain_decoding():
     # batch 4: every length is measured first, longest first; k=3 gives the most tokens/s
     choices = run(4, {3: (2.5, 0.015), 2: (2.2, 0.0135), 1: (1.7, 0.012), 0: (1.0, 0.010)}, 38)
     assert choices[:8] == [3, 3, 2, 2, 1, 1, 0, 0]
-    # it leads for explore_every steps, then each other length is re-measured E steps in a row
-    assert choices[8:] == [3] * 10 + [2] * E + [1] * E + [0] * E + [3] * 8
-    # batch 16: every length slower than plain decoding -> plain; re-measurements grow rarer
-    choices = run(16, {2: (1.2, 0.020), 1: (1.1, 0.016), 0: (1.0, 0.010)}, 60)
-    assert choices[6:44] == [0] * 10 + [2] * E + [1] * E + [0] * 20
+    # it leads for explore_every steps, then each other length within 25% of its rate is
+    # re-measured E steps in a row (plain decoding, 40% slower, is not)
+    assert choices[8:] == [3] * 10 + [2] * E + [1] * E + [3] * 12
+    # batch 16: every length slower than plain decoding -> plain; re-measurements grow rarer, and
+    # the far slower lengths are re-measured every fourth time only
+    choices = run(16, {2: (1.2, 0.020), 1: (1.1, 0.016), 0: (1.0, 0.010)}, 6 + 10 + 20 + 40 + 80 + 2 * E + 10)
+    assert choices[6:] == [0] * (10 + 20 + 40 + 80) + [2] * E + [1] * E + [0] * 10
     # a shorter draft wins when the longest does not pay: k=1 over k=2 and plain
     choices = run(8, {2: (1.3, 0.016), 1: (1.5, 0.012), 0: (1.0, 0.010)}, 30)
     assert choices[6:16] == [1] * 10

@@ -16,7 +16,9 @@ finishing at different steps, which these measurements miss.
 A speculative step in which the draft first catches up on the tokens of plain decode steps
 costs more than the steady state and is what switching costs, so it is not recorded, and a
 re-measurement runs `explore_steps` steps in a row. Its interval doubles, from
-`explore_every` up to 16x, each time the leader stays the leader. A catch-up on a new
+`explore_every` up to 16x, each time the leader stays the leader. A re-measurement skips the
+choices that measured more than `prune` (25%) slower than the leader, except every fourth one:
+with trees and chains there are many choices, and re-measuring far slower ones costs steps. A catch-up on a new
 request's prompt, or on the token of a step that mixed decodes with a prefill chunk, is
 recorded: plain decoding never pays it, and under traffic where requests come and go it
 recurs, so it belongs to what speculating costs.
@@ -56,18 +58,20 @@ class Measure:
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
                  explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05,
-                 trees: tuple[TreeShape, ...] = ()) -> None:
+                 trees: tuple[TreeShape, ...] = (), prune: float = 0.25) -> None:
         self.max_tokens = max_tokens
         self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
-        self.margin = margin
+        self.margin, self.prune = margin, prune
         self.measures: dict[tuple[int, Choice], Measure] = {}
         self.steps: dict[int, int] = {}
         self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
         self.leaders: dict[int, Choice] = {}  # bucket -> the choice that won the last comparison
         self.next_explore: dict[int, int] = {}  # bucket -> step of the next re-measurement
+        self.exploring: dict[int, list[Choice]] = {}  # bucket -> what the current re-measurement runs
+        self.rounds: dict[int, int] = {}  # bucket -> re-measurements done
 
     def table_k(self, batch_size: int) -> int:
         k = self.max_tokens
@@ -104,15 +108,25 @@ class SpeculationPolicy:
         if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
             self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
             self.next_explore[bucket] = step + self.explore_every
-        others = [length for length in lengths if length != best]
         since = step - self.next_explore[bucket]
         if since < 0:
             return best
-        if since < self.explore_steps * len(others):  # each other length, explore_steps in a row
+        if since == 0:  # a re-measurement starts
+            self.exploring[bucket] = self.worth_exploring(bucket, best, lengths)
+        others = self.exploring.get(bucket, [])
+        if since < self.explore_steps * len(others):  # each of them, explore_steps in a row
             return others[since // self.explore_steps]
         interval = min(2 * self.intervals[bucket], 16 * self.explore_every)
         self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
+        self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         return best
+
+    def worth_exploring(self, bucket: int, best: Choice, lengths: list[Choice]) -> list[Choice]:
+        """The choices a re-measurement runs: those within `prune` of the leader's rate, and every
+        fourth time all of them (a far slower choice is re-measured rarely, never not at all)."""
+        everything = self.rounds.get(bucket, 0) % 4 == 3
+        floor = (1 - self.prune) * self.measures[bucket, best].rate
+        return [c for c in lengths if c != best and (everything or self.measures[bucket, c].rate >= floor)]
 
     def best(self, bucket: int, lengths: list[Choice]) -> Choice:
         """The length to run: the leader stays unless another beats it by the margin, except
