@@ -1,16 +1,13 @@
 """Draft trees: expansion and reranking against a brute-force reference, the walk down the tree,
 KV compaction, and through the engine greedy identity with every drafter, lossless sampling
 (chi-square), logprobs and penalties, and the policy's choice of trees."""
-import itertools
-import math
-
 import pytest
 import torch
 
 from moespec import LLM, SamplingParams
 from moespec.attention.base import LayerKV
 from moespec.config import ConfigError, build_config
-from moespec.speculation.tree import (DraftTree, TreeShape, compact_path, grow_tree, walk_tree)
+from moespec.speculation.tree import DraftTree, TreeShape, compact_path, grow_tree, walk_tree
 from reference import exact_joint, joint_pvalue
 from test_speculation import GREEDY, MIXED, generate, prompts
 

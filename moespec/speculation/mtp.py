@@ -335,4 +335,3 @@ class MTPSpeculator(Speculator):
         for seq, m, a in zip(seqs, lengths_before, num_accepted):
             if seq.request_id in self.states:
                 self.states[seq.request_id].computed = m + a  # positions m-1 .. m-1+a now hold MTP KV
-

@@ -14,8 +14,8 @@ least what the chain of its depth (up to N nodes) accepts.
 Layout of one request's tree in a verify batch: node 0 is the root (the last token, at
 position m-1), nodes 1..N the drafts in breadth-first order. Node i sits at KV position
 m-1+i and at rotary position m-1+depth(i); it attends to the context and to its ancestors.
-The drafter's own forwards over frontier nodes write KV past its context, at
-`slot = level-1 * top_k + j` slots after it.
+The drafter's own forwards over frontier nodes write KV past its context: frontier node j of
+level l at slot (l-1)*top_k + j after it.
 
 Verification follows the target down the tree: at each node, the target's own draw there (the
 argmax for greedy rows, the keyed Gumbel-max for seeded rows, an inverse-CDF draw with the
@@ -102,10 +102,6 @@ class DraftTree:
     draft_slots: torch.Tensor  # [B, N] the drafter's KV slot of each node past its context; -1: not forwarded
     depth: int  # D, the deepest a node may be
     steady: bool = True
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.tokens.shape)
 
     def node_depths(self) -> torch.Tensor:
         """[B, 1+N] the depth of every node, the root (0) first."""
