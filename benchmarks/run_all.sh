@@ -32,7 +32,6 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4
 # the same with every output 128 tokens long: without speculation the requests stay in lockstep
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:2,mtp:3 --adaptive on --max-tokens 128 \
     --batch-sizes 1,4,16,32 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3-adaptive-fixed-length.json
-# seeded requests (exact match with the target's keyed draw) against rejection sampling
 # draft trees against chains (docs/benchmarks.md, "Draft trees against chains")
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml \
     --modes none,mtp:1,mtp:2,mtp:3,mtp-tree:2x3x6,mtp-tree:4x2x8,mtp-tree:4x3x8 --batch-sizes 1,4,16 \
@@ -46,6 +45,7 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4
     --batch-sizes 1 --threads "$THREADS" --out docs/bench/tree-deep-tiny-llama.json
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3,mtp-tree:2x3x6,mtp-tree:auto \
     --batch-sizes 1,4,16 --threads "$THREADS" --out docs/bench/tree-auto-tiny-deepseek-v3.json
+# seeded requests (exact match with the target's keyed draw) against rejection sampling
 $PY benchmarks/bench_seeded_acceptance.py --threads "$THREADS" --out docs/bench/seeded-acceptance.json
 # structured outputs: a JSON schema's cost per step, constrained against unconstrained
 $PY benchmarks/bench_structured.py --threads "$THREADS" --repeats 9 --out docs/bench/structured.json
