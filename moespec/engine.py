@@ -550,11 +550,10 @@ class Engine:
 
     def fit_choice(self, choice: int | TreeShape, seqs: list[Sequence]) -> int:
         """The draft length to report for the policy's choice; a tree is kept for `prepare` when it
-        fits every request (room for its slots, no grammar), else a chain as deep runs instead."""
+        fits every request (room for its slots), else a chain as deep runs instead."""
         if not isinstance(choice, TreeShape):
             return choice
-        room = min(self.max_model_len - seq.num_tokens for seq in seqs)
-        if room >= choice.lookahead - 1 and not any(seq.grammar is not None for seq in seqs):
+        if min(self.max_model_len - seq.num_tokens for seq in seqs) >= choice.lookahead - 1:
             self.next_tree = choice
         return min(choice.depth, self.speculator.max_tokens)
 
@@ -671,7 +670,7 @@ class Engine:
         the accepted path compacted -> host appends."""
         start = time.perf_counter()
         seqs, shape = prepared.sampled, prepared.tree
-        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator)
+        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
         self.phase = f"{self.speculator.mode} propose tree"
         tree = self.speculator.propose_tree(seqs, shape, rows)
         batch = self.build_tree_batch(seqs, tree)

@@ -230,6 +230,33 @@ def tokenizer_info(xgr, tokenizer, vocab_size: int, stop_ids: list[int]):
                              stop_token_ids=stop_ids, add_prefix_space=detected.add_prefix_space)
 
 
+def tree_masks(grammars: "Grammars", states: list[GrammarState | None], tokens: list[list[int]],
+               parents: list[list[int]]) -> torch.Tensor:
+    """[B * (1+N), W] masks of a draft tree's verify rows (speculation/tree.py): node i of request
+    b allows what b's grammar allows after the drafts on i's path (node 0, the root, first; N
+    drafts per request, parents[b][i-1] the parent of node i). A node whose path the grammar
+    refuses is never reached (its parent's row excludes its token); its row allows every token.
+    Each matcher is advanced down every path and rolled back."""
+    B, N = len(tokens), len(tokens[0])
+    masks = torch.full((B, 1 + N, grammars.words), -1, dtype=torch.int32)
+    for b, state in enumerate(states):
+        if state is None:
+            continue
+        children: list[list[int]] = [[] for _ in range(1 + N)]
+        for node, parent in enumerate(parents[b], start=1):
+            children[parent].append(node)
+
+        def visit(node: int) -> None:  # depth first; recursion as deep as the tree
+            masks[b, node] = grammars.masks([state])[0]
+            for child in children[node]:
+                if not state.terminated and state.accept(tokens[b][child - 1]):
+                    visit(child)
+                    state.rollback(1)
+
+        visit(0)
+    return masks.flatten(0, 1)
+
+
 class DraftMasks:
     """The masks of one speculative step's B requests: row j of request b is what its grammar
     allows after drafts d_1 .. d_j. Rows 0 .. K-1 mask the drafts as they are drawn

@@ -55,9 +55,13 @@ MODES = {
                          "adaptive": False}),
     "head-k2": (LLAMA, {"mode": "mtp", "mtp_head": LLAMA_HEAD, "num_speculative_tokens": 2, "adaptive": False}),
     "mtp-adaptive": (DEEPSEEK, {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": True}),
+    "mtp-tree": (DEEPSEEK, {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": False,
+                            "tree": {"top_k": 3, "depth": 3, "num_draft_tokens": 6}}),
+    "draft-tree": (LLAMA, {"mode": "draft", "draft_model": LLAMA_DRAFT, "num_speculative_tokens": 4,
+                           "adaptive": False, "tree": {"top_k": 2, "depth": 4, "num_draft_tokens": 7}}),
 }
 REFERENCE = {"none": "none", "mtp-k1": "none", "mtp-k3": "none", "mtp-adaptive": "none", "llama-none": "llama-none",
-             "draft-k4": "llama-none", "head-k2": "llama-none"}
+             "draft-k4": "llama-none", "head-k2": "llama-none", "mtp-tree": "none", "draft-tree": "llama-none"}
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +203,7 @@ def reference(engines):
     return get
 
 
-@pytest.mark.parametrize("mode", ["mtp-k1", "mtp-k3", "mtp-adaptive", "draft-k4", "head-k2"])
+@pytest.mark.parametrize("mode", ["mtp-k1", "mtp-k3", "mtp-adaptive", "draft-k4", "head-k2", "mtp-tree", "draft-tree"])
 def test_constrained_output_under_speculation(engines, reference, mode):
     """Every output validates against its schema, and greedy and seeded outputs are token-identical
     to no speculation: greedy rows take the best allowed token, seeded rows the keyed draw from the
@@ -213,6 +217,8 @@ def test_constrained_output_under_speculation(engines, reference, mode):
         got = llm.generate(prompts(count), json_params(count, temperature, seed), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
         assert llm.engine.spec_stats.steps > steps
+    if "tree" in mode:  # the grammar rows were verified as trees, not as chains
+        assert sum(n for n, _ in llm.engine.spec_stats.by_tree.values()) == llm.engine.spec_stats.steps
     assert check_json_outputs(llm.generate(prompts(count), json_params(count, 1.0), use_tqdm=False),
                               count) == ["stop"] * count
 
@@ -273,14 +279,16 @@ CHOICE_PROMPT = "answer = "
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection-sampling", "keyed-draws"])
 def test_speculative_constrained_sampling_follows_the_constrained_distribution(random_deepseek, exact_choices,
                                                                                 seeded):
-    """A choice of four strings (1 to 5 tokens each): outputs with MTP k=2 follow the exact
-    constrained distribution of the target alone, as do outputs without speculation, and the
-    two samples agree with each other (chi-square)."""
+    """A choice of four strings (1 to 5 tokens each): outputs with MTP k=2, as a chain and as a
+    tree, follow the exact constrained distribution of the target alone, as do outputs without
+    speculation, and the samples agree with each other (chi-square)."""
     n = 1500
     params = [SamplingParams(**CHOICE_PARAMS, seed=5000 + i if seeded else None) for i in range(n)]
     expected = [exact_choices[c] * n for c in CHOICES]
     counts = []
-    for spec in (None, {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}):
+    tree = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False,
+            "tree": {"top_k": 2, "depth": 2, "num_draft_tokens": 4}}
+    for spec in (None, {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}, tree):
         llm = LLM(model=random_deepseek, page_size=4, num_kv_pages=4096, max_num_seqs=512, speculation=spec)
         outputs = llm.generate([CHOICE_PROMPT] * n, params, use_tqdm=False)
         assert all(o.outputs[0].finish_reason == "stop" for o in outputs)

@@ -33,7 +33,7 @@ from moespec.sampling import SamplingBatch, apply_penalties, compute_probs, samp
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
 from moespec.speculation.tree import DraftTree, TreeResult, TreeShape
-from moespec.structured import DraftMasks, Grammars
+from moespec.structured import DraftMasks, Grammars, tree_masks
 
 
 @dataclass
@@ -166,6 +166,8 @@ class DraftRows:
         """Draft log-probabilities [B*repeat, V] that rank a tree's candidates: the distribution a
         random row samples from; for greedy rows, the penalized softmax (their one-hot ranks nothing)."""
         sampling = self.repeated(repeat)
+        if self.masks is not None and repeat == 1:  # the root's children: what each grammar allows now
+            sampling = sampling.constrained(self.masks.draft_row([]), self.vocab_size)
         soft = apply_penalties(logits.float(), sampling).log_softmax(-1)
         if sampling.all_greedy:
             return soft
@@ -174,7 +176,15 @@ class DraftRows:
 
     def tree_batch(self, tree: DraftTree) -> SamplingBatch:
         """Rows for the target at each of a tree's 1 + N nodes per request: the request's outputs
-        followed by the drafts on the node's path (penalties, min_tokens and seeded positions see them)."""
+        followed by the drafts on the node's path (penalties, min_tokens, seeded positions and
+        grammars see them)."""
+        rows = self.tree_rows(tree)
+        if self.masks is None:
+            return rows
+        masks = tree_masks(self.masks.grammars, self.masks.owners, tree.tokens.tolist(), tree.parents.tolist())
+        return rows.constrained(masks, self.vocab_size)
+
+    def tree_rows(self, tree: DraftTree) -> SamplingBatch:
         B, N = tree.tokens.shape
         if not self.drafts_matter:  # rows differ by the position a seeded row draws at only
             rows = self.repeated(1 + N)
