@@ -667,7 +667,7 @@ class Engine:
     def run_tree(self, prepared: PreparedStep) -> EngineOutputs:
         """propose a tree -> the target verifies its 1+N nodes per request in one forward (tree
         mask) -> walk the target's draws down the tree -> the drafter's and the target's KV of
-        the accepted path compacted -> host appends."""
+        the accepted path compacted -> the path accepted as a chain (MTP re-run) -> host appends."""
         start = time.perf_counter()
         seqs, shape = prepared.sampled, prepared.tree
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
@@ -682,9 +682,14 @@ class Engine:
         uniforms = draw_uniform(rows.batch([]), shape.depth + 1)  # [B, D+1] one per depth
         result = walk_tree(self.tree_draws(logits, target_rows, tree, uniforms), tree)
         self.phase = f"{self.speculator.mode} accept tree"
-        self.speculator.accept_tree(seqs, batch, ctx, hidden, tree, result)
+        self.speculator.accept_tree(seqs, batch, tree, result)
         compact_path(self.runner.cache.layers, page_table(seqs, batch.input_ids.device), self.allocator.page_size,
                      *path_positions(batch, result))
+        # from here on the accepted path is a chain's verify batch of depth D (KV in place)
+        path = self.build_verify_batch(seqs, result.tokens[:, :-1])
+        path_hidden = hidden.view(len(seqs), -1, hidden.shape[-1]).gather(
+            1, result.path[:, :, None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)  # [B*(D+1), M]
+        self.speculator.accept(seqs, path, self.runner.plan(path), path_hidden, result.num_accepted, result.tokens)
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
         self.phase = "postprocess"
         B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
@@ -692,7 +697,7 @@ class Engine:
         num_logprobs = [n for n in target_rows.num_logprobs[::N1] for _ in range(shape.depth + 1)]
         logprobs = self.sampler.gather_logprobs_for(logits[path_rows], result.tokens.flatten(), num_logprobs)
         lengths = [s.num_tokens for s in seqs]
-        self.speculator.commit_tree(seqs, lengths, num_accepted)
+        self.speculator.commit_tree(seqs, lengths, num_accepted, tree)
         self.spec_stats.add(shape.depth, num_accepted, shape)
         self.emit(prepared, num_accepted, tokens, logprobs, lengths, shape.num_draft_tokens, shape, tree.steady,
                   start)

@@ -58,8 +58,6 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
                              "set speculation.mtp_head to a head trained with `moespec train-mtp-head`")
         mtp = target
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
-    speculator = MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs,
-                               cache.page_size, target.config.hidden_size, dtype, config.model.device,
-                               config.model.attention_backend, compile_buckets(config), cache.num_kv_pages)
-    speculator.own_cache = caches is not target_runner.cache.layers
-    return speculator
+    return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
+                         target.config.hidden_size, dtype, config.model.device, config.model.attention_backend,
+                         compile_buckets(config), cache.num_kv_pages)

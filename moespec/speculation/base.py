@@ -14,7 +14,8 @@ Life of a decode step with speculation (see Engine.run_speculative):
   release(seq)          a request finished or was preempted: its draft state is gone
 
 Draft trees (speculation/tree.py) take the same course through `propose_tree`, `accept_tree`
-(after which the engine compacts the target's KV to the accepted path) and `commit_tree`.
+(after which the engine compacts the target's KV to the accepted path and calls `accept` over
+that path, laid out as a chain's verify batch) and `commit_tree`.
 
 Prefix caching: `kv_tokens(seq)` says which positions of a request its caches hold for good
 (a page is cached with them once they cover it), and `start_at(seq, n)` starts a request
@@ -91,13 +92,15 @@ class Speculator:
         """Catch up like `propose`, then expand and rerank a draft tree (tree.grow_tree)."""
         raise NotImplementedError(f"speculation mode {self.mode!r} drafts no trees")
 
-    def accept_tree(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, tree: DraftTree,
-                    result: TreeResult) -> None:
-        """After a tree's verification, tensors only: the drafter's state and KV along the accepted
-        path (the engine compacts the target's KV afterwards)."""
+    def accept_tree(self, seqs: list[Sequence], batch: Batch, tree: DraftTree, result: TreeResult) -> None:
+        """Right after a tree's verification (`batch`), tensors only: a drafter that wrote KV for
+        the tree's nodes keeps that of the accepted path. Then the engine compacts the target's
+        KV and calls `accept` over the accepted path as if it had been a chain."""
 
-    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int]) -> None:
-        """Host bookkeeping after a tree step."""
+    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int],
+                    tree: DraftTree) -> None:
+        """Host bookkeeping after a tree step (by default, a chain's of the tree's depth)."""
+        self.commit(seqs, lengths_before, num_accepted, tree.depth)
 
     def release(self, seq: Sequence) -> None:
         pass

@@ -96,8 +96,7 @@ class DraftModelSpeculator(Speculator):
         return tree
 
     @torch.inference_mode()
-    def accept_tree(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, tree: DraftTree,
-                    result: TreeResult) -> None:
+    def accept_tree(self, seqs: list[Sequence], batch: Batch, tree: DraftTree, result: TreeResult) -> None:
         """Keep the draft's KV of the accepted drafts it ran (every path node but possibly the
         last), moved from its frontier slots to their positions m-1+d."""
         B, D1 = result.path.shape
@@ -111,7 +110,8 @@ class DraftModelSpeculator(Speculator):
                      torch.where(ran, root + 1 + slots, targets), targets)
         self.kept = ran.long().sum(1)
 
-    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int]) -> None:
+    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int],
+                    tree: DraftTree) -> None:
         kept = self.kept.tolist()
         for seq, m, n in zip(seqs, lengths_before, kept):
             if seq.request_id in self.computed:

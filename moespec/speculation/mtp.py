@@ -32,8 +32,7 @@ from moespec.batch import Batch, Span, pack_spans
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator, gather_rows
-from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, grow_tree, page_table,
-                                      path_positions, path_tokens_through, tree_level_batch)
+from moespec.speculation.tree import DraftTree, TreeShape, grow_tree, tree_level_batch
 from moespec.static_step import StaticSteps, mtp_step
 
 
@@ -73,7 +72,6 @@ class MTPSpeculator(Speculator):
         self.backend = create_backend(attention_backend, self.device)  # for flushes, catch-up and chain steps
         self.states: dict[str, MTPState] = {}
         self.sync = None  # distributed.Lockstep when a built-in MTP layer's experts are sharded over ranks
-        self.own_cache = True  # False for a built-in layer: its KV is a layer of the target's cache
         self.static = (StaticSteps(functools.partial(mtp_step, mtp_model), caches, attention_backend, self.device,
                                    compile_buckets, num_pages, page_size, input_hidden=(hidden_size, dtype))
                        if compile_buckets else None)
@@ -226,28 +224,6 @@ class MTPSpeculator(Speculator):
         tree = grow_tree(shape, rows.expansion_logprobs(logits), forward)
         tree.steady = steady
         return tree
-
-    @torch.inference_mode()
-    def accept_tree(self, seqs: list[Sequence], batch: Batch, ctx, hidden: torch.Tensor, tree: DraftTree,
-                    result: TreeResult) -> None:
-        """Re-run the layer over the tree's verify batch (same plan) with the target's hidden
-        states; node d of the accepted path gets the path's token after it. Rows off the path
-        write KV that is never read. Then the path's KV moves to consecutive positions."""
-        B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
-        ids = torch.zeros(B, N1, dtype=torch.long, device=result.tokens.device)
-        ids.scatter_(1, result.path, path_tokens_through(result))  # past the path's end: the same node, token
-        last = result.path.gather(1, result.num_accepted[:, None]).squeeze(1)  # [B] the path's last node
-        pick = torch.arange(B, device=last.device) * N1 + last
-        carried_logits, carried_hidden = self.run(batch, ids.flatten(), hidden, rows=pick, target_ctx=ctx)
-        if self.own_cache:
-            compact_path(self.caches, page_table(seqs, self.device), self.page_size, *path_positions(batch, result))
-        for b, seq in enumerate(seqs):
-            state = self.state(seq)
-            state.logits, state.hidden = carried_logits[b], carried_hidden[b]
-            state.computed = -1  # resolved in commit_tree
-
-    def commit_tree(self, seqs: list[Sequence], lengths_before: list[int], num_accepted: list[int]) -> None:
-        self.commit(seqs, lengths_before, num_accepted, 0)
 
     def catch_up(self, seqs: list[Sequence]) -> int:
         """MTP over positions [computed, m-1) from the pending target hidden states; m = num_tokens.

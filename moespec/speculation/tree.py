@@ -205,12 +205,6 @@ def walk_tree(draws: torch.Tensor, tree: DraftTree) -> TreeResult:
     return TreeResult(num_accepted, path, tokens.scatter(1, num_accepted[:, None], final))
 
 
-def path_tokens_through(result: TreeResult) -> torch.Tensor:
-    """[B, D+1]: at depth d of the path, the token after it (past the path's end, the final one)."""
-    depth = torch.arange(result.tokens.shape[1], device=result.tokens.device)
-    return result.tokens.gather(1, torch.minimum(depth[None, :], result.num_accepted[:, None]))
-
-
 def page_table(seqs: list[Sequence], device) -> torch.Tensor:
     """[B, P] each request's page ids (padded with its last one)."""
     width = max(len(seq.pages) for seq in seqs)
