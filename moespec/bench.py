@@ -309,6 +309,10 @@ def run(args: argparse.Namespace) -> int:
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-", row["ttft_ms"],
                         row["cached_prompt_share"])
+            if row["tree_accept_lengths"]:
+                logger.info("batch %d %-8s accept length per tree shape: %s (tree steps %.0f%%)", batch, label,
+                            ", ".join(f"{k} {v:.2f}" for k, v in row["tree_accept_lengths"].items()),
+                            100 * row["tree_step_share"])
             if "speedup_same_switches" in row:
                 logger.info("batch %d %-8s speedup over none%s: %.2f", batch, label, suffix, row["speedup_same_switches"])
         for llm in engines.values():

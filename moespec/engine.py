@@ -713,7 +713,7 @@ class Engine:
         batch.input_ids = torch.cat([root, tree.tokens.to(root.device)], 1).flatten()
         batch.kv_positions = batch.positions
         batch.positions = (batch.positions.view(len(seqs), N + 1)[:, :1] + tree.node_depths().to(root.device)).flatten()
-        batch.custom_mask = tree_mask(torch.tensor([s.num_tokens - 1 for s in seqs]), tree.ancestors())
+        batch.custom_mask = tree_mask([s.num_tokens - 1 for s in seqs], tree.ancestors())
         return batch
 
     @staticmethod

@@ -227,11 +227,11 @@ def compact_path(layers: list[LayerKV], pages: torch.Tensor, page_size: int, sou
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
-def tree_mask(context: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+def tree_mask(context: list[int], seen: torch.Tensor) -> torch.Tensor:
     """Flat custom mask (attention.base) of requests with context[b] positions before their
     queries' block: queries see all context, and block slot j where seen[b, i, j]."""
     blocks = []
-    for b, c in enumerate(context.tolist()):
+    for b, c in enumerate(context):
         rows = seen[b]
         blocks.append(torch.cat([torch.ones(rows.shape[0], c, dtype=torch.bool, device=rows.device), rows], 1).flatten())
     return torch.cat(blocks)
@@ -246,7 +246,7 @@ def tree_level_batch(seqs: list[Sequence], context: list[int], level: int, K: in
     batch = pack_spans(spans, page_size, "draft_extend").to(device)
     batch.kv_positions = batch.positions
     batch.positions = torch.tensor([c - 1 + level for c in context], device=device).repeat_interleave(K)
-    batch.custom_mask = tree_mask(torch.tensor(context), visible)
+    batch.custom_mask = tree_mask(context, visible)
     return batch
 
 
