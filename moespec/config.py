@@ -156,14 +156,17 @@ class EngineConfig:
 
 
     def check_tree(self) -> None:
-        tree_shapes(self.speculation)  # the shape's own checks
-        where = {"parallel.ep_size > 1": self.parallel.ep_size > 1,
-                 "speculation.acceptance: relaxed": self.speculation.acceptance != "lossless",
+        k = self.speculation.num_speculative_tokens
+        for shape in tree_shapes(self.speculation):  # the shape's own checks
+            if shape.depth > k:
+                raise ConfigError(f"speculation.tree.depth {shape.depth} exceeds speculation.num_speculative_tokens "
+                                  f"{k}, the most a step drafts in depth")
+        where = {"speculation.acceptance: relaxed": self.speculation.acceptance != "lossless",
                  "model.attention_backend: flashinfer": self.model.attention_backend != "torch"}
         for what, present in where.items():
             if present:
-                raise ConfigError(f"speculation.tree is not supported with {what} yet: draft trees run in one "
-                                  "process, verified losslessly, on the torch attention backend")
+                raise ConfigError(f"speculation.tree is not supported with {what} yet: draft trees are verified "
+                                  "losslessly, on the torch attention backend")
 
 
 def tree_shapes(spec: SpeculationSection) -> list:

@@ -190,11 +190,14 @@ def dispatch_capacity(config: EngineConfig) -> int:
     """Tokens one rank sends in one fixed-capacity (low-latency) dispatch, at most: the largest
     MoE-bearing forward of a decode or verify step on one rank. Verify and the MTP re-run carry
     D x (1 + k) tokens; an MTP flush after a plain decode step up to D x (2 + k) (1 + k held
-    target hidden states and the new one)."""
+    target hidden states and the new one); a draft tree's verify D x (1 + N)."""
+    from moespec.config import tree_shapes
+
     spec = config.speculation
     k = spec.num_speculative_tokens if spec.mode != "none" else 0
     extra = 1 if spec.mode == "mtp" else 0
-    return config.scheduler.max_num_seqs * (1 + k + extra)
+    per_request = max([1 + k + extra] + [shape.tokens_per_request for shape in tree_shapes(spec)])
+    return config.scheduler.max_num_seqs * per_request
 
 
 def uses_fixed_exchange(config: EngineConfig) -> bool:

@@ -542,20 +542,23 @@ class Engine:
         a, B, T = self.allocator, len(chunks), sum(c.num_tokens for c in chunks)
         # bounds on this step's MoE-bearing forwards: the verify (and its MTP re-run), and an MTP
         # catch-up or flush over at most 1 + K held hidden states and the new one per request
-        moe_tokens = max(T, B * (1 + max(k_wish, 0)), B * (2 + spec.max_tokens) if lags or flush else 0)
+        moe_tokens = max(T, B * (1 + max(k_wish, 0)), B * (2 + spec.max_tokens) if lags or flush else 0,
+                         B * self.next_tree.tokens_per_request if self.next_tree else 0)
         return StepReport(int(stop), int(bool(chunks)), k_wish, room, int(lags), int(flush),
                           int(scheduled.is_decode_only or not chunks), T,
                           len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages,
                           moe_tokens)
 
     def fit_choice(self, choice: int | TreeShape, seqs: list[Sequence]) -> int:
-        """The draft length to report for the policy's choice; a tree is kept for `prepare` when it
-        fits every request (room for its slots), else a chain as deep runs instead."""
+        """The draft length to report for the policy's choice. A tree reports its depth (its MTP
+        forwards are a chain's of that length) and is kept for `prepare` when it fits every
+        request (room for its slots); otherwise, or where the ranks agree on a shorter draft, a
+        chain runs instead."""
         if not isinstance(choice, TreeShape):
             return choice
         if min(self.max_model_len - seq.num_tokens for seq in seqs) >= choice.lookahead - 1:
             self.next_tree = choice
-        return min(choice.depth, self.speculator.max_tokens)
+        return choice.depth
 
     def join_step(self, plan: StepPlan) -> None:
         """Nothing scheduled here while other ranks run: join their MoE-bearing forwards empty."""
@@ -571,8 +574,8 @@ class Engine:
         sampled = [c.seq for c in scheduled.chunks if c.completes_prompt]
         num_spec = plan.ks[self.lockstep.rank if self.lockstep else 0]
         if num_spec:
-            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan,
-                                self.next_tree)
+            tree = self.next_tree if self.next_tree is not None and num_spec == self.next_tree.depth else None
+            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan, tree)
         batch = build_batch(scheduled.chunks, self.allocator.page_size, scheduled.mode)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
@@ -673,6 +676,8 @@ class Engine:
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
         self.phase = f"{self.speculator.mode} propose tree"
         tree = self.speculator.propose_tree(seqs, shape, rows)
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(prepared.plan.mtp_before)
         batch = self.build_tree_batch(seqs, tree)
         ctx = self.runner.plan(batch)
         self.phase = "target forward (tree verify)"
@@ -690,6 +695,8 @@ class Engine:
         path_hidden = hidden.view(len(seqs), -1, hidden.shape[-1]).gather(
             1, result.path[:, :, None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)  # [B*(D+1), M]
         self.speculator.accept(seqs, path, self.runner.plan(path), path_hidden, result.num_accepted, result.tokens)
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(prepared.plan.mtp_before + prepared.plan.mtp_after)
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
         self.phase = "postprocess"
         B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1

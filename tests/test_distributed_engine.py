@@ -1,7 +1,8 @@
 """The engine across ranks: every rank runs its own engine and the same step; rank 0 places the
 requests. Greedy output equals one process token for token, under data-parallel attention
 (requests spread over the ranks, arriving and finishing at different steps, ranks left idle)
-and under replicated attention, with no speculation, MTP k=1 and k=2 and draft-target; decode
+and under replicated attention, with no speculation, MTP k=1 and k=2, MTP draft trees and
+draft-target; decode
 and verify steps through the fixed-capacity exchange (DeepEP's low-latency layout), and in one
 scenario each through the uneven one."""
 import pytest
@@ -25,6 +26,8 @@ SPEC = {
     "mtp2": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False},
     "draft": {"mode": "draft", "num_speculative_tokens": 2, "adaptive": False},
     "mtp2-adaptive": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": True},
+    "mtp-tree": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False,
+                 "tree": {"top_k": 2, "depth": 2, "num_draft_tokens": 4}},
 }
 
 
@@ -65,11 +68,16 @@ def run_schedule(engine, requests) -> tuple[list[list[int]], int]:
     return [seqs[i].output_ids for i in range(len(requests))], engine.spec_stats.steps
 
 
+def tree_steps(engine) -> int:
+    """Requests' verify steps that ran a draft tree on this rank."""
+    return sum(steps for steps, _ in engine.spec_stats.by_tree.values())
+
+
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
     requests it ran, most requests running at once, accept length, cached prompt tokens per
-    request), the others (None, their verify steps, requests they ran, 0, 0.0, None); last,
-    whether the fixed-capacity exchange ran."""
+    request), the others (None, their verify steps, requests they ran, 0, 0.0, None); each also
+    its tree verify steps; last, whether the fixed-capacity exchange ran."""
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
@@ -84,10 +92,11 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
                 results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
-                                engine.accept_length, engine.cached_tokens))
+                                engine.accept_length, engine.cached_tokens, tree_steps(engine)))
             else:
                 engine.serve_forever()
-                results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None))
+                results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None,
+                                tree_steps(engine)))
         results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
@@ -117,7 +126,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
         assert result.error is None, result.error
         assert result.value[-1], "no decode step used the fixed-capacity exchange"
     for i, s in enumerate(scenarios):
-        outputs, spec_steps, placed, _, accept_length, _ = results[0].value[i]
+        outputs, spec_steps, placed, _, accept_length, _, _ = results[0].value[i]
         expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
         assert outputs == expected, s
         if s["spec"].startswith("mtp"):  # no collapse of the accept length under DP (cf. SGLang #16274)
@@ -132,6 +141,8 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
             assert per_rank == [len(s["requests"])] * ep_size
         if s["spec"] != "none":
             assert sum(steps) > 0, f"{s['spec']}: no rank speculated"
+        if "tree" in s["spec"]:
+            assert sum(r.value[i][6] for r in results) > 0, f"{s['spec']}: no rank ran a draft tree"
     return results
 
 
@@ -147,6 +158,7 @@ def test_dp_attention_ep2_matches_one_process(paths):
         {"spec": "mtp2", "requests": ALONE},
         {"spec": "draft", "requests": STAGGERED},
         {"spec": "mtp2-adaptive", "requests": STAGGERED},
+        {"spec": "mtp-tree", "requests": STAGGERED},
     ])
 
 
@@ -163,6 +175,7 @@ def test_dp_attention_ep4_matches_one_process(paths):
 def test_replicated_attention_matches_one_process(paths):
     check_runs(paths, 2, [
         {"spec": "mtp2", "requests": STAGGERED, "attention": "replicated"},
+        {"spec": "mtp-tree", "requests": TOGETHER, "attention": "replicated"},
         {"spec": "none", "requests": TOGETHER, "attention": "replicated", "microbatch": False, "exchange": "uneven"},
     ])
 

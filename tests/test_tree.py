@@ -145,8 +145,10 @@ def test_tree_shapes_and_config_errors():
                           ("wide", "speculation.tree")):
         with pytest.raises(ConfigError, match=message):
             build_config(base, {"speculation.tree": tree})
-    with pytest.raises(ConfigError, match="not supported with parallel.ep_size > 1"):
-        build_config(base, {"speculation.tree": "auto", "parallel.ep_size": 2})
+    with pytest.raises(ConfigError, match="not supported with speculation.acceptance: relaxed"):
+        build_config(base, {"speculation.tree": "auto", "speculation.acceptance": "relaxed"})
+    with pytest.raises(ConfigError, match="speculation.tree.depth 3 exceeds speculation.num_speculative_tokens 2"):
+        build_config(base, {"speculation.tree": {"top_k": 2, "depth": 3, "num_draft_tokens": 4}})
 
 
 def tree_spec(mode, tree, k=None, **extra):

@@ -83,6 +83,12 @@ class TreeShape:
         return (self.depth - 1) * self.top_k
 
     @property
+    def tokens_per_request(self) -> int:
+        """The most tokens per request one of a tree step's forwards carries (its verify, a
+        frontier level, the re-run over the accepted path)."""
+        return max(1 + self.num_draft_tokens, self.top_k, 1 + self.depth)
+
+    @property
     def lookahead(self) -> int:
         """KV slots a request needs past its last token (the verify tree's, the drafter's)."""
         return max(self.num_draft_tokens, self.draft_slots) + 1
