@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moespec.batch import Batch
-from moespec.config import EngineConfig
+from moespec.config import EngineConfig, tree_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,6 @@ def dispatch_capacity(config: EngineConfig) -> int:
     MoE-bearing forward of a decode or verify step on one rank. Verify and the MTP re-run carry
     D x (1 + k) tokens; an MTP flush after a plain decode step up to D x (2 + k) (1 + k held
     target hidden states and the new one); a draft tree's verify D x (1 + N)."""
-    from moespec.config import tree_shapes
-
     spec = config.speculation
     k = spec.num_speculative_tokens if spec.mode != "none" else 0
     extra = 1 if spec.mode == "mtp" else 0
