@@ -38,8 +38,8 @@ from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
                                  verify_relaxed)
 from moespec.speculation.adaptive import SpeculationPolicy
-from moespec.speculation.tree import (DraftTree, TreeShape, compact_path, page_table, path_positions, tree_mask,
-                                      walk_tree)
+from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, page_table, path_positions,
+                                      tree_mask, walk_tree)
 from moespec.static_step import compile_buckets
 from moespec.structured import Grammars
 
@@ -684,17 +684,10 @@ class Engine:
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(1+N), V]
         self.phase = "verification"
         target_rows = rows.tree_batch(tree)
-        uniforms = draw_uniform(rows.batch([]), shape.depth + 1)  # [B, D+1] one per depth
+        uniforms = self.draw_verify_uniforms(seqs, rows, shape.depth)  # [B, D+1] one per depth
         result = walk_tree(self.tree_draws(logits, target_rows, tree, uniforms), tree)
         self.phase = f"{self.speculator.mode} accept tree"
-        self.speculator.accept_tree(seqs, batch, tree, result)
-        compact_path(self.runner.cache.layers, page_table(seqs, batch.input_ids.device), self.allocator.page_size,
-                     *path_positions(batch, result))
-        # from here on the accepted path is a chain's verify batch of depth D (KV in place)
-        path = self.build_verify_batch(seqs, result.tokens[:, :-1])
-        path_hidden = hidden.view(len(seqs), -1, hidden.shape[-1]).gather(
-            1, result.path[:, :, None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)  # [B*(D+1), M]
-        self.speculator.accept(seqs, path, self.runner.plan(path), path_hidden, result.num_accepted, result.tokens)
+        self.accept_path(seqs, batch, hidden, tree, result)
         if self.lockstep is not None:
             self.lockstep.pad_mtp(prepared.plan.mtp_before + prepared.plan.mtp_after)
         num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
@@ -709,6 +702,20 @@ class Engine:
         self.emit(prepared, num_accepted, tokens, logprobs, lengths, shape.num_draft_tokens, shape, tree.steady,
                   start)
         return EngineOutputs(list(seqs))
+
+    def accept_path(self, seqs: list[Sequence], batch: Batch, hidden: torch.Tensor, tree: DraftTree,
+                    result: TreeResult) -> None:
+        """Move the accepted path's KV to consecutive positions (the drafter's, then the
+        target's); from then on the path is a chain's verify batch of depth D, which the
+        speculator accepts as one (the MTP re-run, over the target's hidden states along it)."""
+        self.speculator.accept_tree(seqs, batch, tree, result)
+        compact_path(self.runner.cache.layers, page_table(seqs, batch.input_ids.device), self.allocator.page_size,
+                     *path_positions(batch, result))
+        path = self.build_verify_batch(seqs, result.tokens[:, :-1])
+        M = hidden.shape[-1]
+        path_hidden = hidden.view(len(seqs), -1, M).gather(1, result.path[:, :, None].expand(-1, -1, M))  # [B, D+1, M]
+        self.speculator.accept(seqs, path, self.runner.plan(path), path_hidden.flatten(0, 1), result.num_accepted,
+                               result.tokens)
 
     def build_tree_batch(self, seqs: list[Sequence], tree: DraftTree) -> Batch:
         """Per request: its last token and the tree's N nodes, node i at KV position m-1+i and
