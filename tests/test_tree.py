@@ -168,6 +168,10 @@ def test_mtp_tree_greedy_identical_in_mixed_batches(deepseek_mtp, tree):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     label = f"{tree['top_k']}x{tree['depth']}x{tree['num_draft_tokens']}"
     assert list(llm.engine.spec_stats.by_tree) == [label] and llm.engine.spec_stats.by_tree[label][0] > 0
+    from moespec.server.metrics import ServerMetrics
+    metrics = ServerMetrics()
+    metrics.observe_engine(llm.engine)
+    assert f'moespec_spec_tree_accept_length{{shape="{label}"}}' in metrics.render().decode()
 
 
 def test_draft_model_and_external_head_trees_greedy_identical(llama_pair, tmp_path):

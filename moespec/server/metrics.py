@@ -37,6 +37,9 @@ class ServerMetrics:
         self.acceptance = Gauge("moespec_spec_acceptance_rate",
                                 "Acceptance rate of the draft token at a position (0 = first draft)", ["position"],
                                 registry=r)
+        self.tree_accept_length = Gauge("moespec_spec_tree_accept_length",
+                                        "Mean tokens per request per verify step of a draft tree shape "
+                                        "(top_k x depth x draft tokens)", ["shape"], registry=r)
         self.draft_tokens = Gauge("moespec_spec_draft_tokens", "Draft tokens proposed since start", registry=r)
         self.accepted_tokens = Gauge("moespec_spec_accepted_tokens", "Draft tokens accepted since start",
                                      registry=r)
@@ -90,6 +93,8 @@ class ServerMetrics:
             self.accepted_tokens.set(spec.accepted_tokens)
             for position, rate in enumerate(spec.acceptance_by_position()):
                 self.acceptance.labels(position=str(position)).set(rate)
+            for shape, length in spec.tree_accept_lengths().items():
+                self.tree_accept_length.labels(shape=shape).set(length)
 
     def observe_ranks(self, engine: Engine) -> None:
         loads = engine.rank_loads()
