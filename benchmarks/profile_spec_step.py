@@ -5,6 +5,8 @@ split over the engine's and the speculator's phases, batch 1, greedy, held-out p
       --speculation '{"mode": "draft", "draft_model": "checkpoints/tiny-llama-draft", "num_speculative_tokens": 4}'
   .venv/bin/python benchmarks/profile_spec_step.py --model checkpoints/tiny-deepseek-v3 \
       --speculation '{"mode": "mtp", "num_speculative_tokens": 1}' [--compile] --out docs/bench/profile-deepseek-mtp1.json
+  .venv/bin/python benchmarks/profile_spec_step.py --model checkpoints/tiny-deepseek-v3 \
+      --speculation '{"mode": "mtp", "num_speculative_tokens": 3, "tree": {"top_k": 2, "depth": 3, "num_draft_tokens": 6}}'
 
 Each phase is timed by wrapping the method that implements it; nested phases (the draft's
 forward inside `propose`) are reported inside their parent, so the rows do not add up to the
@@ -40,6 +42,10 @@ PHASES = [
     ("", "build_verify_batch", "build verify batch"),
     ("", "verify", "verify (acceptance + final token)"),
     ("speculator", "accept", "accept (MTP re-run over the verify batch)"),
+    ("speculator", "propose_tree", "propose tree (draft catch-up + frontier levels)"),
+    ("", "build_tree_batch", "build tree verify batch"),
+    ("", "tree_draws", "tree: the target's draws at every node"),
+    ("", "accept_path", "tree: compact the path's KV + accept it as a chain"),
     ("", "append_tokens", "append tokens + stop checks"),
 ]
 

@@ -63,6 +63,10 @@ $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deep
     --speculation '{"mode": "mtp", "num_speculative_tokens": 1}'
 $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-mtp2.json \
     --speculation '{"mode": "mtp", "num_speculative_tokens": 2}'
+$PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-mtp3.json \
+    --speculation '{"mode": "mtp", "num_speculative_tokens": 3}'
+$PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deepseek-v3-tree2x3x6.json \
+    --speculation '{"mode": "mtp", "num_speculative_tokens": 3, "tree": {"top_k": 2, "depth": 3, "num_draft_tokens": 6}}'
 # expert parallelism over 2 local ranks: data-parallel against replicated attention
 $PY benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 6 --spec none,mtp \
     --out docs/bench/dp-attention.json

@@ -154,7 +154,6 @@ class EngineConfig:
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
 
-
     def check_tree(self) -> None:
         k = self.speculation.num_speculative_tokens
         for shape in tree_shapes(self.speculation):  # the shape's own checks

@@ -193,18 +193,12 @@ def test_greedy_verification_equals_lossless_on_one_hot_distributions():
 @pytest.mark.parametrize("arch", ["rmsnorm", "eagle"])
 def test_external_mtp_head_greedy_identical(llama_pair, tmp_path, arch):
     """A target without an MTP layer speculates with a head trained for it (shared embeddings/lm_head)."""
-    import json
-    from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
+    from tiny_models import save_random_mtp_head
     target, _ = llama_pair
-    torch.manual_seed(3)
-    head = MTPHead(MTPHeadConfig.for_target(json.loads(open(f"{target}/config.json").read()), arch))
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
-    save_mtp_head(head, tmp_path / "head", dtype=torch.float32)
+    head = save_random_mtp_head(target, tmp_path / "head", arch)
     batch = prompts([5, 23, 9], seed=8) + MIXED[:2]
     ref, _ = generate(target, None, batch, GREEDY)
-    got, llm = generate(target, {"mode": "mtp", "mtp_head": str(tmp_path / "head"), "num_speculative_tokens": 2,
+    got, llm = generate(target, {"mode": "mtp", "mtp_head": head, "num_speculative_tokens": 2,
                                  "adaptive": False}, batch, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert llm.engine.spec_stats.steps > 0

@@ -104,15 +104,8 @@ def speculation(mode, llama_pair, tmp_path):
     if mode == "draft":
         spec["draft_model"] = llama_pair[1]
     if mode == "mtp-head":
-        import json
-        from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
-        torch.manual_seed(3)
-        head = MTPHead(MTPHeadConfig.for_target(json.loads(open(f"{llama_pair[0]}/config.json").read()), "rmsnorm"))
-        with torch.no_grad():
-            for name, param in head.named_parameters():
-                param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
-        save_mtp_head(head, tmp_path / "head", dtype=torch.float32)
-        spec["mtp_head"] = str(tmp_path / "head")
+        from tiny_models import save_random_mtp_head
+        spec["mtp_head"] = save_random_mtp_head(llama_pair[0], tmp_path / "head")
     return spec
 
 

@@ -151,9 +151,9 @@ def test_tree_shapes_and_config_errors():
         build_config(base, {"speculation.tree": {"top_k": 2, "depth": 3, "num_draft_tokens": 4}})
 
 
-def tree_spec(mode, tree, k=None, **extra):
-    spec = {"mode": mode, "num_speculative_tokens": k or tree["depth"], "adaptive": False, "tree": tree, **extra}
-    return spec
+def tree_spec(mode, tree, **extra):
+    """A fixed tree (adaptive off), drafting as deep as the tree."""
+    return {"mode": mode, "num_speculative_tokens": tree["depth"], "adaptive": False, "tree": tree, **extra}
 
 
 @pytest.mark.parametrize("tree", [{"top_k": 2, "depth": 3, "num_draft_tokens": 5},
@@ -175,19 +175,13 @@ def test_mtp_tree_greedy_identical_in_mixed_batches(deepseek_mtp, tree):
 
 
 def test_draft_model_and_external_head_trees_greedy_identical(llama_pair, tmp_path):
-    import json
-    from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
+    from tiny_models import save_random_mtp_head
     target, draft = llama_pair
-    torch.manual_seed(3)
-    head = MTPHead(MTPHeadConfig.for_target(json.loads(open(f"{target}/config.json").read()), "rmsnorm"))
-    with torch.no_grad():
-        for name, param in head.named_parameters():
-            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
-    save_mtp_head(head, tmp_path / "head", dtype=torch.float32)
+    head = save_random_mtp_head(target, tmp_path / "head")
     batch = prompts([5, 23, 9], seed=8) + MIXED[:2]
     ref, _ = generate(target, None, batch, GREEDY)
     tree = {"top_k": 3, "depth": 3, "num_draft_tokens": 6}
-    for spec in (tree_spec("draft", tree, draft_model=draft), tree_spec("mtp", tree, mtp_head=str(tmp_path / "head"))):
+    for spec in (tree_spec("draft", tree, draft_model=draft), tree_spec("mtp", tree, mtp_head=head)):
         got, llm = generate(target, spec, batch, GREEDY, max_num_seqs=3)
         assert [o.token_ids for o in got] == [o.token_ids for o in ref], spec["mode"]
         assert llm.engine.spec_stats.by_tree["3x3x6"][0] > 0

@@ -65,3 +65,20 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 3, hidden: int = 64) -> L
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
+
+
+def save_random_mtp_head(target: str, path, arch: str = "rmsnorm") -> str:
+    """A random external MTP head for the target checkpoint `target` (norms at one, weights small),
+    saved at `path`; returns the path as a string."""
+    import json
+    from pathlib import Path
+
+    from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
+
+    torch.manual_seed(3)
+    head = MTPHead(MTPHeadConfig.for_target(json.loads((Path(target) / "config.json").read_text()), arch))
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
+    save_mtp_head(head, path, dtype=torch.float32)
+    return str(path)

@@ -126,8 +126,7 @@ class DraftRows:
                  shared_generator: torch.Generator, grammars: Grammars | None = None) -> None:
         self.seqs, self.vocab_size, self.device = seqs, vocab_size, device
         self.eos_ids, self.shared_generator = eos_ids, shared_generator
-        self.needs_values = any(s.params.repetition_penalty != 1 or s.params.frequency_penalty
-                                or s.params.presence_penalty for s in seqs)
+        self.needs_values = any(s.params.penalized for s in seqs)
         # without penalties and past min_tokens, the drafts so far do not change a draft row
         self.drafts_matter = self.needs_values or any(len(s.output_ids) < s.params.min_tokens for s in seqs)
         self.draft_rows: SamplingBatch | None = None
@@ -171,11 +170,12 @@ class DraftRows:
         sampling = self.repeated(repeat)
         if self.masks is not None and repeat == 1:  # the root's children: what each grammar allows now
             sampling = sampling.constrained(self.masks.draft_row([]), self.vocab_size)
-        soft = apply_penalties(logits.float(), sampling).log_softmax(-1)
         if sampling.all_greedy:
-            return soft
+            return apply_penalties(logits.float(), sampling).log_softmax(-1)
         probs = compute_probs(logits.float(), sampling).log()
-        return probs if sampling.greedy is None else torch.where(sampling.greedy[:, None], soft, probs)
+        if sampling.greedy is None:
+            return probs
+        return torch.where(sampling.greedy[:, None], apply_penalties(logits.float(), sampling).log_softmax(-1), probs)
 
     def tree_batch(self, tree: DraftTree) -> SamplingBatch:
         """Rows for the target at each of a tree's 1 + N nodes per request: the request's outputs

@@ -17,7 +17,7 @@ from moespec.model_runner import ModelRunner
 from moespec.sequence import Sequence
 from moespec.speculation.base import DraftRows, Proposal, Speculator
 from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, grow_tree, page_table,
-                                      tree_level_batch)
+                                      path_positions, tree_level_batch)
 
 
 class DraftModelSpeculator(Speculator):
@@ -99,13 +99,12 @@ class DraftModelSpeculator(Speculator):
     def accept_tree(self, seqs: list[Sequence], batch: Batch, tree: DraftTree, result: TreeResult) -> None:
         """Keep the draft's KV of the accepted drafts it ran (every path node but possibly the
         last), moved from its frontier slots to their positions m-1+d."""
-        B, D1 = result.path.shape
-        root = batch.kv_positions.view(B, -1)[:, :1]  # [B, 1] m-1
+        _, targets = path_positions(batch, result)  # [B, D+1] m-1+d
+        root = targets[:, :1]
         slots = torch.cat([torch.full_like(tree.draft_slots[:, :1], -1), tree.draft_slots], 1).gather(1, result.path)
-        depth = torch.arange(D1, device=root.device)[None, :]
+        depth = targets - root
         ran = (depth >= 1) & (depth <= result.num_accepted[:, None]) & (slots >= 0)  # [B, D+1]
         ran[:, 1:] = ran[:, 1:].long().cumprod(1).bool()
-        targets = root + depth
         compact_path(self.runner.cache.layers, page_table(seqs, root.device), self.page_size,
                      torch.where(ran, root + 1 + slots, targets), targets)
         self.kept = ran.long().sum(1)
