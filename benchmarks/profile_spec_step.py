@@ -31,7 +31,7 @@ from moespec.bench import heldout_prompts
 # (object path from the engine, method, label)
 PHASES = [
     ("", "step", "engine step"),
-    ("", "prepare", "schedule + plan (plain steps)"),
+    ("", "prepare", "pack + plan (plain steps, a chain's verify batch)"),
     ("runner", "plan", "target plan"),
     ("runner", "forward", "target forward (decode or verify)"),
     ("", "execute", "forward + sample (plain steps)"),
@@ -39,7 +39,7 @@ PHASES = [
     ("speculator", "catch_up", "  draft catch-up"),
     ("speculator", "step", "  draft step (draft model)"),
     ("speculator", "chain_step", "  chain step (MTP k > 1)"),
-    ("", "build_verify_batch", "build verify batch"),
+    ("", "build_verify_batch", "  build verify batch"),
     ("", "verify", "verify (acceptance + final token)"),
     ("speculator", "accept", "accept (MTP re-run over the verify batch)"),
     ("speculator", "propose_tree", "propose tree (draft catch-up + frontier levels)"),

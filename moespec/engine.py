@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from moespec.cluster import Abort, Add, Cluster
 from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
-from moespec.overlap import PENDING, HostWorker, InFlight, fill_pending
+from moespec.overlap import PENDING, HostWorker, InFlight, Outcome
 from moespec.models import load_model, load_tokenizer
 from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
@@ -64,6 +65,10 @@ class StepStats:
     decode_host_s: float = 0.0
     decode_device_s: float = 0.0
     decode_wall_s: float = 0.0  # with overlap less than host + device: the difference is host time hidden
+    spec_steps: int = 0  # speculative steps (chains and trees), timed the same way
+    spec_host_s: float = 0.0  # preparing the step, then reading its outcome and appending tokens
+    spec_device_s: float = 0.0  # drafting, verification, the drafter's accept (on a CPU: all of it)
+    spec_wall_s: float = 0.0
     tokens: int = 0
     requests: int = 0  # requests this engine ran (across ranks: placed on this rank)
 
@@ -113,7 +118,7 @@ class SpecStats:
 @dataclass
 class PreparedStep:
     scheduled: SchedulerOutput
-    batch: Batch | None  # None for a speculative step: its verify batch needs the drafts first
+    batch: Batch | None  # a chain's verify batch has its draft rows filled once drafted; None for a tree
     sampling: SamplingBatch | None
     sampled: list[Sequence]
     ctx: object = None
@@ -126,6 +131,16 @@ class PreparedStep:
 @dataclass
 class EngineOutputs:
     updated: list[Sequence] = field(default_factory=list)  # got new tokens or finished this step
+
+
+@dataclass
+class Verified:
+    """A speculative step whose device side ran: its outcome, and its host side (read the accepted
+    lengths, append tokens), which runs after (under overlap, once the next step is prepared)."""
+
+    outcome: Outcome
+    finish: Callable[[], EngineOutputs]
+    device_s: float = 0.0
 
 
 class Engine:
@@ -387,10 +402,8 @@ class Engine:
                 self.join_step(plan)
             return EngineOutputs()
         prepared = self.prepare(scheduled, plan, start)
-        if prepared.tree is not None:
-            return self.run_tree(prepared)
         if prepared.num_spec:
-            return self.run_speculative(prepared)
+            return self.finish_speculative(prepared, self.speculate(prepared))
         if self.lockstep is not None:
             self.lockstep.pad_mtp(plan.mtp_before)
         start = time.perf_counter()
@@ -417,6 +430,8 @@ class Engine:
         runs serially (moespec.overlap)."""
         start = time.perf_counter()
         ready, self.in_flight = self.in_flight, None
+        if ready is not None and ready.speculative and any(seq.is_finished for seq in ready.prepared.sampled):
+            ready = None  # a request finished with the step before: prepare the step again, here
         if self.num_serial:  # a request needs its previous token on the host
             outputs = self.run_prepared(ready, None, start) if ready is not None else EngineOutputs()
             return EngineOutputs(outputs.updated + self.run_serial().updated)
@@ -428,34 +443,54 @@ class Engine:
         return self.run_prepared(ready, following, start)
 
     def run_prepared(self, flight: InFlight, following, start: float) -> EngineOutputs:
-        """Step n's device side on this thread (placeholders filled from step n-1's tokens), then,
-        once the helper has prepared step n+1 (`following`), n's tokens put in place."""
-        self.phase = f"target forward ({flight.prepared.batch.mode})"
+        """Step n's device side on this thread (step n-1's outcome put in place first), then, once
+        the helper has prepared step n+1 (`following`), n's results processed."""
+        prepared = flight.prepared
         device_start = time.perf_counter()
         if flight.rows is not None:
-            fill_pending(flight.prepared.batch.input_ids, flight.rows, flight.sources, flight.previous_tokens)
-        result = self.execute(flight.prepared)
+            self.place_previous(flight)
+        if prepared.num_spec:
+            result = self.speculate(prepared)
+            outcome = result.outcome
+        else:
+            result = self.execute(prepared)
+            outcome = Outcome(result.tokens[:, None])
         device_s = time.perf_counter() - device_start
         if following is not None:
             self.phase = "wait for the next step's preparation"
             self.in_flight = following.result()
             if self.in_flight is not None:
-                self.in_flight.previous_tokens = result.tokens
-        outputs = self.process(flight, result, device_s, start)
+                self.in_flight.previous = outcome
+        if prepared.num_spec:
+            outputs = self.finish_speculative(prepared, result, start)
+        else:
+            outputs = self.process(flight, result, device_s, start)
         if self.in_flight is not None:
             self.publish([c.seq for c in self.in_flight.prepared.scheduled.chunks])  # their tokens are known now
         return outputs
 
     def prepare_next(self, previous: InFlight | None, start: float) -> InFlight | None:
-        """Schedule, pack and plan a step (None: nothing to run), and advance the host's view of
-        its requests: KV computed through their chunks, one placeholder token per sampled
-        request. Runs on the helper thread while `previous` computes."""
+        """Schedule, pack and plan a step (None: nothing to run, or nothing that can be decided
+        before `previous` has run), and advance the host's view of a plain step's requests: KV
+        computed through their chunks, one placeholder token per sampled request. Runs on the
+        helper thread while `previous` computes. After a speculative step only another one is
+        prepared, for that step's longest outcome (moespec.overlap)."""
         self.phase = "schedule"
-        scheduled = self.schedule()
-        if not scheduled.chunks:
+        extra = previous.widths() if previous is not None and previous.speculative else {}
+        if extra:
+            scheduled = self.scheduler.schedule_ahead(extra, self.speculator.lookahead)
+        else:  # a preemption would release draft state the step in flight uses
+            scheduled = self.schedule(can_preempt=previous is None or not self.speculator.max_tokens)
+        if scheduled is None or not scheduled.chunks:
             return None
-        prepared = self.prepare(scheduled, decide([self.report(scheduled, False)]), start)
-        rows, sources = self.pending_rows(scheduled, previous)
+        plan = decide([self.report(scheduled, False, extra)])
+        if extra and not plan.ks[0]:
+            return None
+        prepared = self.prepare(scheduled, plan, start, extra)
+        rows, sources = self.pending_rows(prepared, previous)
+        if prepared.num_spec:  # its requests' host state changes when it is processed, not before
+            prepared.host_s = time.perf_counter() - start
+            return InFlight(prepared, [], rows, sources, ahead=bool(extra))
         for chunk in scheduled.chunks:
             chunk.seq.num_computed = chunk.end
         pending_at = []
@@ -465,26 +500,58 @@ class Engine:
         prepared.host_s = time.perf_counter() - start
         return InFlight(prepared, pending_at, rows, sources)
 
-    def pending_rows(self, scheduled: SchedulerOutput, previous: InFlight | None):
-        """Rows of this batch whose token is a placeholder of the previous step, and their rows
-        in its sampled tokens (on the device; None when there are none)."""
-        if previous is None:
+    def pending_rows(self, prepared: PreparedStep, previous: InFlight | None):
+        """Rows of this batch whose token the previous step samples, and those requests' rows in
+        its outcome (on the device; None when there are none). A chain's verify batch: each such
+        request's first row; a tree builds its batch when it runs, from the host's state then."""
+        if previous is None or prepared.tree is not None:
             return None, None
         source_of = {id(seq): row for row, seq in enumerate(previous.prepared.sampled)}
-        rows, sources, end = [], [], 0
-        for chunk in scheduled.chunks:
-            end += chunk.num_tokens
-            seq = chunk.seq
-            if chunk.end == seq.num_tokens and seq.output_ids and seq.output_ids[-1] == PENDING:
-                rows.append(end - 1)
-                sources.append(source_of[id(seq)])
+        rows, sources = [], []
+        if prepared.num_spec:
+            Q = 1 + prepared.num_spec
+            for b, seq in enumerate(prepared.sampled):
+                if id(seq) in source_of:
+                    rows.append(b * Q)
+                    sources.append(source_of[id(seq)])
+        else:
+            end = 0
+            for chunk in prepared.scheduled.chunks:
+                end += chunk.num_tokens
+                seq = chunk.seq
+                if chunk.end == seq.num_tokens and seq.output_ids and seq.output_ids[-1] == PENDING:
+                    rows.append(end - 1)
+                    sources.append(source_of[id(seq)])
         if not rows:
             return None, None
         device = self.runner.device
         return torch.tensor(rows).to(device, non_blocking=True), torch.tensor(sources).to(device, non_blocking=True)
 
+    def place_previous(self, flight: InFlight) -> None:
+        """Step n's outcome into step n+1's batch, on the device: each request's new last token,
+        and a verify batch planned for n's longest outcome shifted back to the actual one."""
+        prepared, outcome = flight.prepared, flight.previous
+        prepared.batch.input_ids[flight.rows] = outcome.last_tokens(flight.sources)
+        if flight.ahead:  # every request of the batch was in step n, in batch order
+            self.shift_verify(prepared, -outcome.shortfall(flight.sources))
+
+    def shift_verify(self, prepared: PreparedStep, delta: torch.Tensor) -> None:
+        """Move each request's 1 + k verify rows delta [B] (<= 0) positions, on the device: the
+        rotary positions, and the planned KV slots and causal mask (a static step's padded plan,
+        whose padding requests stay)."""
+        B, Q = len(prepared.sampled), 1 + prepared.num_spec
+        batch, ctx = prepared.batch, prepared.ctx
+        batch.positions = (batch.positions.view(B, Q) + delta[:, None]).flatten()
+        if ctx.static is None:
+            ctx.backend.shift(delta)
+            return
+        static = ctx.static
+        static.batch.positions = torch.cat([batch.positions, static.batch.positions[B * Q:]])
+        pads = len(static.batch.qo_bounds) - 1 - B
+        static.ctx.backend.shift(torch.cat([delta, delta.new_zeros(pads)]))
+
     def process(self, flight: InFlight, result: SamplerOutput, device_s: float, call_start: float) -> EngineOutputs:
-        """Put a step's tokens where their placeholders are; a request that finished or was
+        """Put a plain step's tokens where their placeholders are; a request that finished or was
         aborted since drops its token."""
         start = time.perf_counter()
         self.phase = "postprocess"
@@ -505,8 +572,11 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> SchedulerOutput:
-        scheduled = self.scheduler.schedule(lookahead=self.speculator.lookahead)
+    def schedule(self, can_preempt: bool = True) -> SchedulerOutput | None:
+        """None only where `can_preempt` is False and a preemption would be needed."""
+        scheduled = self.scheduler.schedule(self.speculator.lookahead, can_preempt)
+        if scheduled is None:
+            return None
         for seq in scheduled.preempted:
             self.speculator.release(seq)
         for seq, num_tokens in scheduled.hits:
@@ -527,16 +597,18 @@ class Engine:
         self.cluster.agreed(plan.sent)
         return plan
 
-    def report(self, scheduled: SchedulerOutput, stop: bool) -> StepReport:
+    def report(self, scheduled: SchedulerOutput, stop: bool, extra: dict[int, int] | None = None) -> StepReport:
         """Speculate only on decode-only batches, as many tokens as the policy says and the
-        longest request still has room for; say which MTP forwards the step needs here."""
+        longest request still has room for; say which MTP forwards the step needs here.
+        `extra`: tokens a step in flight may still add to a request (by id; overlap)."""
         chunks, spec = scheduled.chunks, self.speculator
         k_wish, room, lags = -1, 0, False
         synced_mtp = getattr(spec, "sync", None) is not None
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
-            k_wish = self.fit_choice(self.policy.choose(len(chunks)), [c.seq for c in chunks])
-            room = min(self.max_model_len - c.seq.num_tokens for c in chunks) - 1
+            lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
+            k_wish = self.fit_choice(self.policy.choose(len(chunks)), lengths)
+            room = min(self.max_model_len - n for n in lengths) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
         flush = synced_mtp and bool(chunks) and spec.needs_flush(chunks)
         a, B, T = self.allocator, len(chunks), sum(c.num_tokens for c in chunks)
@@ -549,14 +621,14 @@ class Engine:
                           len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages,
                           moe_tokens)
 
-    def fit_choice(self, choice: int | TreeShape, seqs: list[Sequence]) -> int:
-        """The draft length to report for the policy's choice. A tree reports its depth (its MTP
-        forwards are a chain's of that length) and is kept for `prepare` when it fits every
-        request (room for its slots); otherwise, or where the ranks agree on a shorter draft, a
-        chain runs instead."""
+    def fit_choice(self, choice: int | TreeShape, lengths: list[int]) -> int:
+        """The draft length to report for the policy's choice, for requests of these lengths. A
+        tree reports its depth (its MTP forwards are a chain's of that length) and is kept for
+        `prepare` when it fits every request (room for its slots); otherwise, or where the ranks
+        agree on a shorter draft, a chain runs instead."""
         if not isinstance(choice, TreeShape):
             return choice
-        if min(self.max_model_len - seq.num_tokens for seq in seqs) >= choice.lookahead - 1:
+        if min(self.max_model_len - n for n in lengths) >= choice.lookahead - 1:
             self.next_tree = choice
         return choice.depth
 
@@ -567,7 +639,10 @@ class Engine:
         self.lockstep.join_target()
         self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
 
-    def prepare(self, scheduled: SchedulerOutput, plan: StepPlan, start: float) -> PreparedStep:
+    def prepare(self, scheduled: SchedulerOutput, plan: StepPlan, start: float,
+                extra: dict[int, int] | None = None) -> PreparedStep:
+        """`extra`: tokens a step in flight may still add to a request (by id): a verify batch is
+        packed and planned for the most, and shifted back on the device later (overlap)."""
         for chunk in scheduled.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = time.monotonic()
@@ -575,7 +650,11 @@ class Engine:
         num_spec = plan.ks[self.lockstep.rank if self.lockstep else 0]
         if num_spec:
             tree = self.next_tree if self.next_tree is not None and num_spec == self.next_tree.depth else None
-            return PreparedStep(scheduled, None, None, sampled, None, time.perf_counter() - start, num_spec, plan, tree)
+            batch = ctx = None
+            if tree is None:  # a tree's batch needs its shape, known once drafted
+                batch = self.build_verify_batch(sampled, num_spec, extra)
+                ctx = self.runner.plan(batch)
+            return PreparedStep(scheduled, batch, None, sampled, ctx, time.perf_counter() - start, num_spec, plan, tree)
         batch = build_batch(scheduled.chunks, self.allocator.page_size, scheduled.mode)
         sampling = self.build_sampling(sampled)
         batch = batch.to(self.runner.device)
@@ -612,18 +691,39 @@ class Engine:
 
     # ------------------------------------------------------------------ speculative step
 
-    def run_speculative(self, prepared: PreparedStep) -> EngineOutputs:
-        """propose k -> target verifies 1+k per request -> accept (tensors) -> host appends."""
+    def speculate(self, prepared: PreparedStep) -> Verified:
+        """The device side of a speculative step (a tree's: `grow`)."""
         start = time.perf_counter()
-        seqs, k = prepared.sampled, prepared.num_spec
+        verified = self.grow(prepared) if prepared.tree is not None else self.draft_and_verify(prepared)
+        verified.device_s = time.perf_counter() - start
+        return verified
+
+    def finish_speculative(self, prepared: PreparedStep, verified: Verified, call_start: float | None = None
+                           ) -> EngineOutputs:
+        """The host side of a speculative step, then its times (`call_start`: under overlap, the
+        engine call's start; its wall time is less than host + device by the host work hidden)."""
+        start = time.perf_counter()
+        outputs = verified.finish()
+        host_s = prepared.host_s + time.perf_counter() - start
+        s = self.stats
+        s.spec_steps += 1
+        s.spec_host_s += host_s
+        s.spec_device_s += verified.device_s
+        s.spec_wall_s += host_s + verified.device_s if call_start is None else time.perf_counter() - call_start
+        return outputs
+
+    def draft_and_verify(self, prepared: PreparedStep) -> Verified:
+        """propose k -> target verifies 1+k per request -> accept (tensors); the host appends in
+        `finish`."""
+        start = time.perf_counter()
+        seqs, k, batch, ctx = prepared.sampled, prepared.num_spec, prepared.batch, prepared.ctx
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
         self.phase = f"{self.speculator.mode} propose"
         proposal = self.speculator.propose(seqs, k, rows)
         plan = prepared.plan
         if self.lockstep is not None:
             self.lockstep.pad_mtp(plan.mtp_before)
-        batch = self.build_verify_batch(seqs, proposal.tokens)
-        ctx = self.runner.plan(batch)
+        self.place_drafts(batch, proposal.tokens)
         self.phase = "target forward (verify)"
         hidden, logits = self.runner.forward(batch, ctx)  # logits [B*(k+1), V]
         self.speculator.observe(prepared.scheduled.chunks, batch, hidden)
@@ -634,15 +734,19 @@ class Engine:
         self.speculator.accept(seqs, batch, ctx, hidden, result.num_accepted, result.tokens)
         if self.lockstep is not None:
             self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
-        # the host reads accepted lengths only now, after the draft re-run was launched
-        num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
-        self.phase = "postprocess"
-        logprobs = self.sampler.gather_logprobs(logits, result.tokens.flatten(), target_rows)
-        lengths = [s.num_tokens for s in seqs]
-        self.speculator.commit(seqs, lengths, num_accepted, k)
-        self.spec_stats.add(k, num_accepted)
-        self.emit(prepared, num_accepted, tokens, logprobs, lengths, k, k, proposal.steady, start)
-        return EngineOutputs(list(seqs))
+
+        def finish() -> EngineOutputs:
+            # the host reads accepted lengths only now, after the draft re-run was launched
+            num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+            self.phase = "postprocess"
+            logprobs = self.sampler.gather_logprobs(logits, result.tokens.flatten(), target_rows)
+            lengths = [s.num_tokens for s in seqs]
+            self.speculator.commit(seqs, lengths, num_accepted, k)
+            self.spec_stats.add(k, num_accepted)
+            self.emit(prepared, num_accepted, tokens, logprobs, lengths, k, k, proposal.steady, start)
+            return EngineOutputs(list(seqs))
+
+        return Verified(Outcome(result.tokens, result.num_accepted), finish)
 
     def emit(self, prepared: PreparedStep, num_accepted: list[int], tokens: list[list[int]], logprobs: list,
              lengths: list[int], drafted: int, choice: int | TreeShape, steady: bool, start: float) -> None:
@@ -667,10 +771,11 @@ class Engine:
 
     # ------------------------------------------------------------------ draft tree step
 
-    def run_tree(self, prepared: PreparedStep) -> EngineOutputs:
+    def grow(self, prepared: PreparedStep) -> Verified:
         """propose a tree -> the target verifies its 1+N nodes per request in one forward (tree
         mask) -> walk the target's draws down the tree -> the drafter's and the target's KV of
-        the accepted path compacted -> the path accepted as a chain (MTP re-run) -> host appends."""
+        the accepted path compacted -> the path accepted as a chain (MTP re-run); the host
+        appends in `finish`."""
         start = time.perf_counter()
         seqs, shape = prepared.sampled, prepared.tree
         rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
@@ -690,18 +795,22 @@ class Engine:
         self.accept_path(seqs, batch, hidden, tree, result)
         if self.lockstep is not None:
             self.lockstep.pad_mtp(prepared.plan.mtp_before + prepared.plan.mtp_after)
-        num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
-        self.phase = "postprocess"
-        B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
-        path_rows = (torch.arange(B, device=logits.device)[:, None] * N1 + result.path).flatten()  # [B*(D+1)]
-        num_logprobs = [n for n in target_rows.num_logprobs[::N1] for _ in range(shape.depth + 1)]
-        logprobs = self.sampler.gather_logprobs_for(logits[path_rows], result.tokens.flatten(), num_logprobs)
-        lengths = [s.num_tokens for s in seqs]
-        self.speculator.commit_tree(seqs, lengths, num_accepted, tree)
-        self.spec_stats.add(shape.depth, num_accepted, shape)
-        self.emit(prepared, num_accepted, tokens, logprobs, lengths, shape.num_draft_tokens, shape, tree.steady,
-                  start)
-        return EngineOutputs(list(seqs))
+
+        def finish() -> EngineOutputs:
+            num_accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
+            self.phase = "postprocess"
+            B, N1 = tree.tokens.shape[0], tree.tokens.shape[1] + 1
+            path_rows = (torch.arange(B, device=logits.device)[:, None] * N1 + result.path).flatten()  # [B*(D+1)]
+            num_logprobs = [n for n in target_rows.num_logprobs[::N1] for _ in range(shape.depth + 1)]
+            logprobs = self.sampler.gather_logprobs_for(logits[path_rows], result.tokens.flatten(), num_logprobs)
+            lengths = [s.num_tokens for s in seqs]
+            self.speculator.commit_tree(seqs, lengths, num_accepted, tree)
+            self.spec_stats.add(shape.depth, num_accepted, shape)
+            self.emit(prepared, num_accepted, tokens, logprobs, lengths, shape.num_draft_tokens, shape, tree.steady,
+                      start)
+            return EngineOutputs(list(seqs))
+
+        return Verified(Outcome(result.tokens, result.num_accepted), finish)
 
     def accept_path(self, seqs: list[Sequence], batch: Batch, hidden: torch.Tensor, tree: DraftTree,
                     result: TreeResult) -> None:
@@ -711,7 +820,8 @@ class Engine:
         self.speculator.accept_tree(seqs, batch, tree, result)
         compact_path(self.runner.cache.layers, page_table(seqs, batch.input_ids.device), self.allocator.page_size,
                      *path_positions(batch, result))
-        path = self.build_verify_batch(seqs, result.tokens[:, :-1])
+        path = self.build_verify_batch(seqs, tree.depth)
+        self.place_drafts(path, result.tokens[:, :-1])
         M = hidden.shape[-1]
         path_hidden = hidden.view(len(seqs), -1, M).gather(1, result.path[:, :, None].expand(-1, -1, M))  # [B, D+1, M]
         self.speculator.accept(seqs, path, self.runner.plan(path), path_hidden.flatten(0, 1), result.num_accepted,
@@ -755,14 +865,18 @@ class Engine:
             return torch.zeros(len(seqs), k + 1, dtype=torch.float64, device=rows.device)
         return draw_uniform(rows.batch([]), k + 1)
 
-    def build_verify_batch(self, seqs: list[Sequence], drafts: torch.Tensor) -> Batch:
-        """Per request: its last token and the k drafts at positions m-1 .. m-1+k."""
-        k = drafts.shape[1]
-        spans = [Span(s.pages, s.num_tokens - 1, [s.output_ids[-1]] + [0] * k) for s in seqs]
-        batch = pack_spans(spans, self.allocator.page_size, "verify").to(self.runner.device)
-        last = batch.input_ids.view(len(seqs), k + 1)[:, :1]
-        batch.input_ids = torch.cat([last, drafts.to(last.device)], dim=1).flatten()
-        return batch
+    def build_verify_batch(self, seqs: list[Sequence], k: int, extra: dict[int, int] | None = None) -> Batch:
+        """Per request: its last token and k draft rows (`place_drafts`) at positions m-1 .. m-1+k.
+        `extra`: tokens a step in flight may still add to a request (by id): planned for the most."""
+        extra = extra or {}
+        spans = [Span(s.pages, s.num_tokens - 1 + extra.get(id(s), 0), [s.output_ids[-1]] + [0] * k) for s in seqs]
+        return pack_spans(spans, self.allocator.page_size, "verify").to(self.runner.device)
+
+    @staticmethod
+    def place_drafts(batch: Batch, drafts: torch.Tensor) -> None:
+        """Drafts [B, K] into a verify batch's rows after each request's last token (on the device)."""
+        B, K = drafts.shape
+        batch.input_ids.view(B, K + 1)[:, 1:] = drafts.to(batch.input_ids.device)
 
     def verify(self, logits: torch.Tensor, target_rows: SamplingBatch, proposal, uniforms: torch.Tensor):
         """Greedy and seeded rows: the drafts that equal the target's own exact draws (argmax,

@@ -17,11 +17,23 @@ engine would use; n+1 lists the rows holding placeholders and where in n's sampl
 values are, and they are filled on the device right before n+1's forward. A request that
 finishes at step n was already scheduled in n+1: that row's token is dropped, never emitted.
 
+Speculation (the seed's MTP schedule). A speculative step n adds 1 + a tokens to each request,
+a its accepted drafts, known on the device only. Step n+1, when it speculates again, is prepared
+for the longest outcome (1 + k): pages for it plus the step's own lookahead, the verify batch
+packed and planned at those positions. Before n+1's forward, tensor ops put each request's new
+last token (n's row a) in place and shift its positions, written KV slots and causal mask back
+by k - a (`TorchPagedAttention.shift`). The host's view of a speculative step's requests does
+not change until the step is processed (no placeholders): drafting, verification and sampling
+run at n+1's turn, after n was processed, from exact host state. What cannot be decided before
+n's outcome (admitting a waiting request, a plain step, pages that need a preemption) is
+prepared after n is processed instead, on the engine thread, and a prepared speculative step
+holding a request that finished is prepared again: a wasted preparation, never a wrong token.
+
 Steps that need a previous token on the host run serially, after the prepared step has run and
 been processed: requests with repetition, frequency or presence penalties (counted from the
 outputs) or a grammar (its matcher must see the token before the next mask).
 
-Shapes legend: T tokens, N sampled rows.
+Shapes legend: T tokens, N sampled rows, B requests, W tokens a step may add per request.
 """
 from __future__ import annotations
 
@@ -30,7 +42,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-PENDING = -1  # an output token the device has sampled and the host has not read yet
+from moespec.sequence import PENDING  # noqa: F401  (the placeholder token, re-exported)
+
+
+@dataclass
+class Outcome:
+    """What a step left on the device for the next one: per sampled request W tokens and how
+    many of them past the first are real (a speculative step: a accepted drafts, then the
+    target's token at row a)."""
+
+    tokens: torch.Tensor  # [N, W]
+    accepted: torch.Tensor | None = None  # [N]; None: W = 1
+
+    def last_tokens(self, sources: torch.Tensor) -> torch.Tensor:
+        """[P] the new last token of the requests at rows `sources` [P]."""
+        if self.accepted is None:
+            return self.tokens[sources, 0]
+        return self.tokens[sources, self.accepted[sources]]
+
+    def shortfall(self, sources: torch.Tensor) -> torch.Tensor:
+        """[P] how many fewer tokens than the most (W) the requests at `sources` got (0 .. W-1)."""
+        if self.accepted is None:
+            return torch.zeros_like(sources)
+        return self.tokens.shape[1] - 1 - self.accepted[sources]
 
 
 @dataclass
@@ -39,9 +73,19 @@ class InFlight:
 
     prepared: object  # engine.PreparedStep
     pending_at: list[int] = field(default_factory=list)  # per sampled request: index of its placeholder
-    rows: torch.Tensor | None = None  # [P] rows of the batch holding placeholders
-    sources: torch.Tensor | None = None  # [P] their rows in the previous step's sampled tokens
-    previous_tokens: torch.Tensor | None = None  # [N] the previous step's tokens, once it has run
+    rows: torch.Tensor | None = None  # [P] rows of the batch whose token the previous step samples
+    sources: torch.Tensor | None = None  # [P] their requests' rows in the previous step's outcome
+    ahead: bool = False  # planned for the previous (speculative) step's longest outcome: shifts back
+    previous: Outcome | None = None  # the previous step's outcome, once it has run
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.prepared.num_spec)
+
+    def widths(self) -> dict[int, int]:
+        """The most tokens this step adds per sampled request (by id)."""
+        width = 1 + self.prepared.num_spec
+        return {id(seq): width for seq in self.prepared.sampled}
 
 
 class HostWorker:
@@ -55,9 +99,3 @@ class HostWorker:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-
-def fill_pending(input_ids: torch.Tensor, rows: torch.Tensor, sources: torch.Tensor, previous: torch.Tensor) -> None:
-    """input_ids [T] (on the device): rows [P] holding placeholders take previous[sources] (the
-    tokens the step before sampled, [N])."""
-    input_ids[rows] = previous[sources]

@@ -104,7 +104,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
+    def schedule(self, lookahead: int = 0, can_preempt: bool = True) -> SchedulerOutput | None:
+        """`can_preempt` False: None where a running request's pages would need another's (overlap
+        scheduling under speculation prepares steps that way: a preemption releases draft state
+        a step in flight is using)."""
         budget = self.config.max_num_batched_tokens
         chunks, preempted = [], []
         for seq in list(self.running):
@@ -114,7 +117,10 @@ class Scheduler:
             if num == 0 or num > budget:
                 continue
             extra = lookahead if num == seq.num_pending else 0
-            if not self.reserve(seq, min(seq.num_computed + num + extra, self.max_model_len), preempted):
+            num_tokens = min(seq.num_computed + num + extra, self.max_model_len)
+            if not can_preempt and not self.allocator.can_allocate(self.allocator.pages_for(num_tokens) - len(seq.pages)):
+                return None
+            if not self.reserve(seq, num_tokens, preempted):
                 continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, num))
             budget -= num
@@ -123,6 +129,29 @@ class Scheduler:
             admitted, hits = self.admit_waiting(budget, lookahead)
             chunks += admitted
         return SchedulerOutput(chunks, preempted, hits)
+
+    def schedule_ahead(self, in_flight: dict[int, int], lookahead: int) -> SchedulerOutput | None:
+        """Every running request's next decode step, decided while its current step runs; that step
+        adds at most in_flight[id(seq)] tokens to it, and pages are reserved for the most (the
+        verify step is shifted back on the device once the accepted lengths are known). None when
+        the step cannot be decided before that one's outcome: a running request not in it (a
+        prefill in progress), a waiting request that could be admitted, or pages that would need
+        a preemption."""
+        running = self.running
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return None
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        if any(id(seq) not in in_flight or seq.num_pending != 1 for seq in running):
+            return None
+        need = [self.allocator.pages_for(min(seq.num_tokens + in_flight[id(seq)] + lookahead, self.max_model_len))
+                - len(seq.pages) for seq in running]
+        if not self.allocator.can_allocate(sum(n for n in need if n > 0)):
+            return None
+        for seq, n in zip(running, need):
+            if n > 0:
+                seq.pages += self.allocator.allocate(n)
+        return SchedulerOutput([ScheduledChunk(seq, seq.num_computed, 1) for seq in running], [])
 
     def reserve(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
         """Grow seq's pages to cover num_tokens, preempting the newest running requests if needed."""

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from moespec.sampling import SamplingParams
 
+PENDING = -1  # an output token the device has sampled and the host has not read yet (moespec.overlap)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -79,6 +81,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the host has: overlap scheduling appends a placeholder (PENDING) for each token a
+        step in flight samples."""
+        n = len(self.output_ids)
+        while n and self.output_ids[n - 1] == PENDING:
+            n -= 1
+        return len(self.prompt_ids) + n
 
     @property
     def num_pending(self) -> int:

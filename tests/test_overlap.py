@@ -86,18 +86,20 @@ def test_penalties_and_grammars_run_serially_with_the_same_tokens(llama_pair):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
-def test_stop_strings_and_eos_end_a_request_one_step_early():
-    """A request that stops at step n was already scheduled in n+1: that token is dropped. The
-    trained tiny Llama with its tokenizer."""
-    path = "checkpoints/tiny-llama"
+@pytest.mark.parametrize("path, spec", [("checkpoints/tiny-llama", None),
+                                        ("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 2})])
+def test_stop_strings_and_eos_end_a_request_one_step_early(path, spec):
+    """A request that stops at step n was already scheduled in n+1: that token is dropped (a
+    speculative step: prepared again without it). The trained tiny models with their tokenizer,
+    tiny-deepseek-v3 with its MTP layer."""
     free, _ = generate(path, ["def main():"], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                        page_size=8)
     text = free[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
               SamplingParams(temperature=0.0, max_tokens=40)]  # stops at EOS, if it samples one
-    ref, _ = generate(path, ["def main():", "import os"], params, page_size=8)
-    got, _ = generate(path, ["def main():", "import os"], params, page_size=8, overlap=True)
+    ref, _ = generate(path, ["def main():", "import os"], params, page_size=8, speculation=spec)
+    got, _ = generate(path, ["def main():", "import os"], params, page_size=8, overlap=True, speculation=spec)
     assert got[0].finish_reason == "stop" and got[0].text == text[: text.index(stop)]
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
                                                                        for o in ref]
@@ -132,7 +134,109 @@ def test_overlap_with_compiled_steps(llama_pair, monkeypatch):
     torch._dynamo.reset()
 
 
-def test_config_refuses_overlap_with_speculation():
+def test_config_refuses_overlap_where_it_cannot_run():
     with pytest.raises(ConfigError, match="scheduler.overlap"):
-        build_config({}, {"model": "m", "overlap": True, "speculation": {"mode": "mtp"}})
-    assert build_config({}, {"model": "m", "overlap": True}).scheduler.overlap
+        build_config({}, {"model": "m", "overlap": True, "parallel": {"ep_size": 2}})
+    with pytest.raises(ConfigError, match="model.attention_backend: torch"):
+        build_config({}, {"model": "m", "overlap": True, "attention_backend": "flashinfer",
+                          "speculation": {"mode": "mtp"}})
+    assert build_config({}, {"model": "m", "overlap": True, "speculation": {"mode": "mtp"}}).scheduler.overlap
+
+
+SPEC_LENGTHS = (24, 7, 1, 19, 24, 2, 13)
+
+
+def spec_params(kind: str) -> list[SamplingParams]:
+    def params(n, i):
+        base = dict(max_tokens=n, ignore_eos=True)
+        if kind == "greedy":
+            return SamplingParams(temperature=0.0, **base)
+        if kind == "logprobs":
+            return SamplingParams(temperature=0.0, logprobs=2, **base)
+        return SamplingParams(temperature=0.8, seed=7 + i, **base)
+    return [params(n, i) for i, n in enumerate(SPEC_LENGTHS)]
+
+
+SPECS = {
+    "mtp-k1": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 1, "adaptive": False}),
+    "mtp-k3": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": False}),
+    "mtp-adaptive": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 2}),
+    "mtp-tree": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": False,
+                              "tree": {"top_k": 2, "depth": 3, "num_draft_tokens": 5}}),
+    "draft-k2": ("llama", {"mode": "draft", "num_speculative_tokens": 2, "adaptive": False}),
+    "self-draft-k3": ("llama", {"mode": "draft", "num_speculative_tokens": 3, "adaptive": False}),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_speculation_overlapped_gives_the_same_tokens(llama_pair, deepseek_mtp, name, kind):
+    """The next verify step is planned for the longest outcome of the one in flight and shifted
+    back on the device: the same tokens as the serial engine, for every mode, with accept
+    lengths from none (a random draft) to all (the target as its own draft), more requests than
+    slots and outputs of 1 to 24 tokens."""
+    which, spec = SPECS[name]
+    path = deepseek_mtp if which == "deepseek" else llama_pair[0]
+    if spec["mode"] == "draft":
+        spec = {**spec, "draft_model": llama_pair[0] if name.startswith("self") else llama_pair[1]}
+    params = spec_params(kind)
+    ref, _ = generate(path, BATCH, params, speculation=spec)
+    got, llm = generate(path, BATCH, params, speculation=spec, overlap=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    stats = llm.engine.stats
+    assert llm.engine.in_flight is None and stats.spec_steps > 0
+    assert stats.spec_host_s + stats.spec_device_s > stats.spec_wall_s  # host work ran beside the device
+
+
+def test_speculative_sampling_overlapped_follows_the_model(deepseek_mtp):
+    """Unseeded rejection sampling under overlap, MTP k = 2: three tokens of 600 requests, 64 at
+    a time, follow the target's joint distribution over the 27 cells of top-k 3 (chi-square)."""
+    from reference import exact_joint, joint_pvalue
+    prompt, n = prompts([6], seed=7)[0], 600
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    outs, llm = generate(deepseek_mtp, [prompt] * n, params, overlap=True, max_num_seqs=64, num_kv_pages=1024,
+                         max_num_batched_tokens=512,
+                         speculation={"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    assert llm.engine.spec_stats.steps > 0
+    assert joint_pvalue(exact_joint(deepseek_mtp, prompt, params, 3), [o.token_ids for o in outs]) > 1e-3
+
+
+def test_speculation_overlapped_under_preemption_and_compiled(deepseek_mtp, monkeypatch):
+    """Too few pages: a step prepared ahead never preempts (it waits for the outcome instead)
+    and preemption by recompute still gives the serial tokens; compiled static steps shift
+    their padded plans the same way."""
+    import moespec.static_step as static_step
+    monkeypatch.setattr(static_step, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref, _ = generate(deepseek_mtp, batch, params, max_num_seqs=8, speculation=spec)
+    got, _ = generate(deepseek_mtp, batch, params, overlap=True, num_kv_pages=16, max_num_batched_tokens=32,
+                      max_num_seqs=8, speculation=spec)
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    got, llm = generate(deepseek_mtp, batch, params, overlap=True, compile=True, speculation=spec)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert any(Q == 3 * B for B, Q, _ in llm.engine.runner.static.shapes)  # verify steps ran static
+    torch._dynamo.reset()
+
+
+def test_abort_while_a_speculative_step_is_in_flight(deepseek_mtp):
+    """An aborted request's prepared step is prepared again without it; the other's tokens are
+    the serial engine's and every page comes back."""
+    spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=64, overlap=True, speculation=spec)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    keep = engine.add_request(prompts([9])[0], params)
+    drop = engine.add_request(prompts([14], seed=5)[0], params)
+    for _ in range(5):
+        engine.step()
+    assert engine.in_flight is not None and engine.in_flight.speculative
+    engine.abort(drop.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    ref = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=64, speculation=spec).generate(
+        [prompts([9])[0]], params, use_tqdm=False)
+    assert keep.output_ids == ref[0].token_ids

@@ -30,6 +30,7 @@ class TorchPagedAttention:
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None
         self.groups: list[Group] = []
+        self.uniform: tuple[torch.Tensor, torch.Tensor] | None = None  # a uniform plan's q_pos [B, Q], kv_pos [L]
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Host-side index building, once per batch; every layer reuses it. Batches whose requests
@@ -38,6 +39,7 @@ class TorchPagedAttention:
         are not padded to the longest prefill chunk."""
         S, B = meta.page_size, meta.num_requests
         T = meta.positions.numel()
+        self.uniform = None
         if meta.custom_mask is None and T % B == 0 and (T == B or bool((meta.q_lens() == T // B).all())):
             self.plan_uniform(meta, T // B)
             return
@@ -73,6 +75,20 @@ class TorchPagedAttention:
         # slots past a shorter request's length)
         mask = None if B == Q == 1 else (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, L]
         self.groups = [Group(None, kv_slots, mask, (B, Q), None)]
+        self.uniform = (q_pos, kv_pos)
+
+    def shift(self, delta: torch.Tensor) -> None:
+        """Move each request's queries delta [B] (<= 0) positions back, on the device: a verify
+        batch planned for the longest its requests may be (overlap scheduling plans step n+1 before
+        step n's accepted lengths are known) becomes the batch of their actual lengths. The planned
+        KV gather covers both; the written slots and the causal mask follow the new positions."""
+        q_pos, kv_pos = self.uniform
+        q_pos = q_pos + delta[:, None]  # [B, Q]
+        group = self.groups[0]
+        self.slots = group.kv_slots.gather(1, q_pos).flatten()  # [B*Q]
+        mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, L]
+        self.groups = [Group(None, group.kv_slots, mask, group.shape, None)]
+        self.uniform = (q_pos, kv_pos)
 
     def plan_group(self, meta: AttentionMetadata, rows: torch.Tensor | None) -> Group:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()

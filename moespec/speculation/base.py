@@ -1,7 +1,7 @@
 """The interface every speculation mode implements, so the scheduler, KV allocator, engine and
 server never branch on the mode.
 
-Life of a decode step with speculation (see Engine.run_speculative):
+Life of a decode step with speculation (see Engine.draft_and_verify):
   propose(seqs, k)      catch the draft up on tokens it has not seen, then draft k tokens
                         per request from the carried state -> Proposal (tokens + full q,
                         and whether the step was steady: no catch-up beyond the last verify)

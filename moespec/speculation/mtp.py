@@ -124,7 +124,8 @@ class MTPSpeculator(Speculator):
             return
         hidden, row, over = hidden.to(self.dtype), 0, []
         for chunk in chunks:
-            if self.hold(chunk, hidden[row: row + chunk.num_tokens]):
+            # overlap scheduling: a request that finished with the step before still has its row here
+            if not chunk.seq.is_finished and self.hold(chunk, hidden[row: row + chunk.num_tokens]):
                 over.append(chunk.seq)
             row += chunk.num_tokens
         if over:
@@ -159,7 +160,7 @@ class MTPSpeculator(Speculator):
         ends = []
         for seq in seqs:
             state = self.state(seq)
-            ends.append(min(state.computed + state.num_pending, seq.num_tokens - 1))
+            ends.append(min(state.computed + state.num_pending, seq.num_known_tokens - 1))
             state.logits = state.hidden = None
         spans, hidden = self.take(seqs, ends)
         batch = pack_spans(spans, self.page_size, "draft_extend", sampled=[False] * len(spans)).to(self.device)
