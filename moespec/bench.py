@@ -29,7 +29,9 @@ the share of prompt tokens served from the cache and the accept length of each.
 --compile both runs every mode eager and with static steps compiled (model.compile; labelled
 `<mode>/compiled`) side by side; the compiling happens before the measurement (Engine.warm_up,
 every bucket up to the batch size) and its time is reported as compile_s. --overlap both
-does the same for overlap scheduling (`<mode>/overlap`; speculative modes run without it).
+does the same for overlap scheduling (`<mode>/overlap`), and every row reports its decode and
+verify steps' wall time (step_ms) and the share of their host + device time that ran beside
+the device (host_hidden_share: the next step's preparation under overlap; 0 without).
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
     """Every mode over the same prompts, `chunk` prompts per generate call; the modes take turns
     on each chunk, so a slow phase of the machine falls on all of them alike."""
     before = {label: snapshot(llm.engine.spec_stats) for label, llm in engines.items()}
+    steps_before = {label: step_times(llm.engine.stats) for label, llm in engines.items()}
     seconds = dict.fromkeys(order, 0.0)
     outs: dict[str, list] = {label: [] for label in order}
     for i in range(0, len(prompts), chunk):
@@ -136,8 +139,20 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
             start = time.perf_counter()
             outs[label] += engines[label].generate(prompts[i:i + chunk], params[i:i + chunk], use_tqdm=False)
             seconds[label] += time.perf_counter() - start
-    return {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared)
+    rows = {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared)
             for label in order}
+    for label in order:
+        steps, busy, wall = (b - a for a, b in zip(steps_before[label], step_times(engines[label].engine.stats)))
+        rows[label].update(step_ms=1e3 * wall / max(steps, 1), host_hidden_share=(busy - wall) / busy if busy else 0.0)
+    return rows
+
+
+def step_times(stats) -> tuple[int, float, float]:
+    """Decode and speculative steps: (count, host + device seconds, wall seconds); under overlap
+    the wall time is less than host + device by the host work that ran beside the device."""
+    return (stats.decode_steps + stats.spec_steps,
+            stats.decode_host_s + stats.decode_device_s + stats.spec_host_s + stats.spec_device_s,
+            stats.decode_wall_s + stats.spec_wall_s)
 
 
 def output_lengths(count: int, mean: int, spread: float) -> list[int]:
@@ -253,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
                  + ("/compiled" if args.compile == "both" and compiled else "")
                  + ("/overlap" if args.overlap == "both" and overlap else ""), spec, on, compiled, overlap)
                 for label, spec in modes for on in caching for compiled in compiling
-                for overlap in (overlapping if spec["mode"] == "none" else [False])]
+                for overlap in overlapping]
 
     def build_engines(batch: int) -> dict:
         engines = {}
@@ -304,11 +319,11 @@ def run(args: argparse.Namespace) -> int:
             row.update(batch=batch, compile_s=compile_s[label])
             results[label].append(row)
             logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
-                        "cached prompt share %.3f", batch, label,
+                        "cached prompt share %.3f  step %.2f ms  host hidden %.0f%%", batch, label,
                         row["tok_s"], f"{row['speedup']:.2f}" if row["speedup"] else "-",
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-", row["ttft_ms"],
-                        row["cached_prompt_share"])
+                        row["cached_prompt_share"], row["step_ms"], 100 * row["host_hidden_share"])
             if row["tree_accept_lengths"]:
                 logger.info("batch %d %-8s accept length per tree shape: %s (tree steps %.0f%%)", batch, label,
                             ", ".join(f"{k} {v:.2f}" for k, v in row["tree_accept_lengths"].items()),
