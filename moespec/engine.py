@@ -41,7 +41,7 @@ from moespec.speculation import (DraftRows, create_speculator, select_rows, veri
 from moespec.speculation.adaptive import SpeculationPolicy
 from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, page_table, path_positions,
                                       tree_mask, walk_tree)
-from moespec.static_step import compile_buckets
+from moespec.static_step import compile_buckets, mark_kv_dynamic
 from moespec.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -541,7 +541,7 @@ class Engine:
         whose padding requests stay)."""
         B, Q = len(prepared.sampled), 1 + prepared.num_spec
         batch, ctx = prepared.batch, prepared.ctx
-        batch.positions = (batch.positions.view(B, Q) + delta[:, None]).flatten()
+        batch.positions = (batch.positions.view(B, Q) + delta[:, None]).flatten()  # not in place: the plan views it
         if ctx.static is None:
             ctx.backend.shift(delta)
             return
@@ -549,6 +549,7 @@ class Engine:
         static.batch.positions = torch.cat([batch.positions, static.batch.positions[B * Q:]])
         pads = len(static.batch.qo_bounds) - 1 - B
         static.ctx.backend.shift(torch.cat([delta, delta.new_zeros(pads)]))
+        mark_kv_dynamic(static.ctx.backend)  # the shifted mask is a new tensor: its KV length stays dynamic
 
     def process(self, flight: InFlight, result: SamplerOutput, device_s: float, call_start: float) -> EngineOutputs:
         """Put a plain step's tokens where their placeholders are; a request that finished or was

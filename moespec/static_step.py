@@ -1,12 +1,16 @@
 """Static steps: uniform batches run at bucketed batch sizes through a compiled forward.
 
 A uniform batch is one where every request has the same number Q of queries and of sampled
-rows: decode (Q = 1), verify (Q = 1 + k, every row sampled) and the draft model's decode. Its B
+rows: decode (Q = 1), verify (Q = 1 + k, every row sampled) and draft steps of one token (a
+draft model's catch-up over several unseen tokens runs eager: its length varies). Its B
 requests are padded to the smallest bucket >= B, so a step sees a handful of shapes, each
 compiled once (`torch.compile`; the KV length is a dynamic dimension, marked as such after every
 plan). A padded request holds one page, the cache's scratch page, which the allocator never
 hands out: it writes its Q keys there, its queries attend to them alone, and its rows are cut
-off before sampling. Prefill chunks, mixed batches and trees run eager.
+off before sampling. Prefill chunks, mixed batches and trees run eager. `Engine.warm_up`
+compiles every shape that can run, and serving then compiles nothing: dynamo guards on more than
+shapes (whether a tensor was made in inference mode), so plans never are inference tensors and
+the compiled step's token ids always are.
 
 The attention backend plans the padded batch outside the compiled region (as FlashInfer's
 CUDA-graph wrappers plan outside capture). The static backend is separate from the runner's
@@ -132,12 +136,18 @@ class StaticSteps:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32 * len(self.buckets) + 8)
         self.compiled = torch.compile(self.run_model, backend=COMPILE_BACKEND, dynamic=False)
 
+    @torch.inference_mode(False)
     def plan(self, batch: Batch) -> StaticBatch | None:
         """Pad and plan (host work, outside the compiled region); None: run eager (not a
-        uniform batch, queries that overflow the scratch page, or larger than every bucket)."""
+        uniform batch, queries that overflow the scratch page, or larger than every bucket).
+        Never inference tensors, wherever it is called from (an MTP chain step plans inside
+        inference mode, a verify batch outside): the compiled step guards on the difference,
+        and would compile each bucket again."""
         shape = uniform_shape(batch) if batch.mode in STATIC_MODES and batch.custom_mask is None else None
         if shape is None or shape[0] > self.page_size:
             return None
+        if batch.mode == "draft_extend" and shape[0] > 1:  # a draft's catch-up over tokens it has not seen
+            return None  # (any count): eager, so that serving compiles only what the warm-up did
         B = len(batch.qo_bounds) - 1
         i = bisect.bisect_left(self.buckets, B)
         if i == len(self.buckets):
@@ -145,6 +155,7 @@ class StaticSteps:
         return self.plan_padded(pad_batch(batch, self.buckets[i], self.scratch_page, shape), B, batch.num_tokens,
                                 batch.sample_indices.numel())
 
+    @torch.inference_mode(False)
     def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int) -> StaticBatch:
         self.backend.plan(padded.attention_metadata())
         mark_kv_dynamic(self.backend)
@@ -181,7 +192,8 @@ class StaticSteps:
         (padded rows get zeros); `rows` [B]: sample these rows, one per request, instead."""
         b, T, B = static.batch, static.num_tokens, static.num_requests
         pads = b.num_tokens - T
-        ids = b.input_ids if input_ids is None else torch.cat([input_ids, b.input_ids[T:]])
+        # always a new tensor made here (in inference mode), warm-up or not: the compiled step guards on the kind
+        ids = torch.cat([b.input_ids[:T] if input_ids is None else input_ids, b.input_ids[T:]])
         if hidden is not None:
             hidden = torch.cat([hidden, hidden.new_zeros(pads, hidden.shape[1])])
         sample, num_sampled = b.sample_indices, static.num_sampled

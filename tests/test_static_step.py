@@ -5,6 +5,7 @@ Most tests trace with dynamo's "eager" backend: the padding, bucketing and graph
 code that runs, in seconds. One test compiles with inductor, as users run it."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import moespec.static_step as static_step
 from moespec import LLM, SamplingParams
@@ -191,9 +192,25 @@ def test_warm_up_compiles_every_bucket_before_serving(traced, llama_pair):
                                                for b in (1, 2, 4) for q in (1, 2, 3)}
     assert llm.engine.speculator.runner.static.shapes == {(b, b, b) for b in (1, 2, 4)}
     before = llm.engine.runner.static.compile_s
+    graphs = counters["stats"]["unique_graphs"]
     llm.generate(prompts([5, 9, 3]), GREEDY[:3], use_tqdm=False)
     assert llm.engine.runner.static.compile_s == before  # nothing compiled while serving
+    assert counters["stats"]["unique_graphs"] == graphs  # not even a bucket again, for a failed guard
     assert LLM(model=llama_pair[0], page_size=4, num_kv_pages=64).engine.warm_up() == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warm_up_covers_mtp_chains_and_shifted_verify_steps(traced, deepseek_mtp, overlap):
+    """MTP k = 2: chain steps plan inside inference mode, verify steps outside, and overlap
+    scheduling shifts planned verify steps on the device; after the warm-up, serving compiles
+    no graph (dynamo guards on tensor kinds and aliasing, not only shapes)."""
+    llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=256, max_num_seqs=4, compile=True, overlap=overlap,
+              speculation={"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    llm.engine.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    llm.generate(prompts([9, 30, 5, 12, 8, 3], seed=2), params, use_tqdm=False)
+    assert llm.engine.stats.spec_steps > 0 and counters["stats"]["unique_graphs"] == graphs
 
 
 def test_inductor_compiled_steps_give_the_same_tokens(llama_pair):
