@@ -45,6 +45,11 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:4
     --batch-sizes 1 --threads "$THREADS" --out docs/bench/tree-deep-tiny-llama.json
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3,mtp-tree:2x3x6,mtp-tree:auto \
     --batch-sizes 1,4,16 --threads "$THREADS" --out docs/bench/tree-auto-tiny-deepseek-v3.json
+# overlap scheduling under speculation, everything on (compiled static steps)
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2 --batch-sizes 1,16 --compile on \
+    --overlap both --repeats 3 --threads "$THREADS" --out docs/bench/spec-overlap-tiny-deepseek-v3.json
+$PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:3 --batch-sizes 1,16 --compile on \
+    --overlap both --repeats 3 --threads "$THREADS" --out docs/bench/spec-overlap-tiny-llama.json
 # seeded requests (exact match with the target's keyed draw) against rejection sampling
 $PY benchmarks/bench_seeded_acceptance.py --threads "$THREADS" --out docs/bench/seeded-acceptance.json
 # structured outputs: a JSON schema's cost per step, constrained against unconstrained
