@@ -70,12 +70,16 @@ def test_requests_joining_a_speculating_batch(deepseek_mtp, llama_pair, mode):
     assert "mixed" in modes and "verify" in modes
 
 
-def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair, overlap):
+    """Overlap scheduling: the next verify step is planned for the longest outcome, which near
+    max_model_len may not fit; it then waits for the outcome."""
     batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     ref, _ = generate(deepseek_mtp, None, batch, params, max_model_len=40)
     spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-    got, _ = generate(deepseek_mtp, spec, batch, params, num_kv_pages=18, max_num_batched_tokens=32, max_model_len=40)
+    got, _ = generate(deepseek_mtp, spec, batch, params, num_kv_pages=18, max_num_batched_tokens=32, max_model_len=40,
+                      overlap=overlap)
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert any(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 40 for o in got)
@@ -86,7 +90,7 @@ def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair
     stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     ref, _ = generate(target, None, batch[:1], stop)
     got, _ = generate(target, {"mode": "draft", "draft_model": target, "num_speculative_tokens": 4,
-                               "adaptive": False}, batch[:1], stop)
+                               "adaptive": False}, batch[:1], stop, overlap=overlap)
     assert got[0].token_ids == ref[0].token_ids and got[0].token_ids[-1] == stop_id
     assert got[0].finish_reason == "stop"
 
