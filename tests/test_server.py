@@ -15,6 +15,7 @@ import uvicorn
 
 from moespec.config import build_config
 from moespec.engine import Engine
+from moespec.sampling import SamplingParams
 from moespec.server import create_app
 from tiny_models import save_tiny_deepseek
 
@@ -406,3 +407,30 @@ def test_429_only_while_the_queue_is_full(server):
     filler.join(timeout=120)
     server.wait_idle()
     assert post(server, "/v1/completions", extra).status_code == 200
+
+
+def test_overlap_scheduling_under_speculation_serves_streams_and_aborts(tmp_path):
+    """scheduler.overlap with MTP behind the server: concurrent streams, a quarter of them
+    leaving mid-stream (aborts with a speculative step in flight); greedy text equals the serial
+    engine's and every page comes back."""
+    save_tiny_deepseek_mtp(tmp_path, vocab_size=4096)
+    options = {"model": str(tmp_path), "served_model_name": MODEL, "page_size": 4, "num_kv_pages": 512,
+               "max_num_seqs": 8, "speculation": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}}
+    engine = Engine(build_config({}, {**options, "overlap": True}))
+    with RunningServer(engine, create_app(engine, MODEL, API_KEY)) as running:
+        results: list = [None] * 16
+        threads = [threading.Thread(target=stream_one, args=(running.url, i, i % 4 == 0, results)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert results.count("done") == 12 and results.count("left") == 4
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        got = client.completions.create(model=MODEL, prompt="def main():", max_tokens=20, temperature=0.0)
+        running.wait_idle()
+        assert engine.stats.spec_steps > 0
+    serial = Engine(build_config({}, options))
+    ref = serial.add_request(serial.encode("def main():"), SamplingParams(temperature=0.0, max_tokens=20))
+    while serial.has_unfinished():
+        serial.step()
+    assert got.choices[0].text == ref.text
