@@ -211,8 +211,9 @@ class StaticSteps:
         """The compiled step of one shape (B, T, N): its own dynamo cache entry, replayed without
         evaluating guards, as a captured graph is replayed. One entry per callable makes that
         sound: a shape's inputs differ from call to call only in the KV length (dynamic) and in
-        values. Dynamo's guards over the model's parameters, the plan and the caches cost 0.5-0.9
-        ms a call on this CPU, a fifth of a batch-1 decode step."""
+        values. With one callable for every shape, dynamo's cache lookup (the guards over the
+        model's parameters, the plan and the caches of each entry) took 440 us a call at batch 1
+        and 634 us at batch 16 on this CPU (tiny-deepseek-v3, profiled)."""
         if shape not in self.compiled:
             self.compiled[shape] = torch.compile(
                 self.run_model, backend=COMPILE_BACKEND, dynamic=False, isolate_recompiles=True,
