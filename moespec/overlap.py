@@ -61,9 +61,8 @@ class Outcome:
         return self.tokens[sources, self.accepted[sources]]
 
     def shortfall(self, sources: torch.Tensor) -> torch.Tensor:
-        """[P] how many fewer tokens than the most (W) the requests at `sources` got (0 .. W-1)."""
-        if self.accepted is None:
-            return torch.zeros_like(sources)
+        """[P] how many fewer tokens than the most (W) the requests at `sources` of a speculative
+        step got (0 .. W-1)."""
         return self.tokens.shape[1] - 1 - self.accepted[sources]
 
 

@@ -130,9 +130,13 @@ class StaticSteps:
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
         self.caches = caches
-        self.shapes: set[tuple] = set()  # (bucket, Q, per) compiled so far
         self.compile_s = 0.0  # wall time of calls that compiled
         self.compiled: dict[tuple[int, int, int], object] = {}  # (B, T, N) -> its compiled step (`compiled_for`)
+
+    @property
+    def shapes(self) -> set[tuple[int, int, int]]:
+        """(B, T, N) of the steps compiled so far."""
+        return set(self.compiled)
 
     @torch.inference_mode(False)
     def plan(self, batch: Batch) -> StaticBatch | None:
@@ -198,10 +202,9 @@ class StaticSteps:
         if rows is not None:  # one row per request: the padded requests' last rows
             sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
         shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel())
-        start = time.perf_counter() if shape not in self.shapes else None
+        start = time.perf_counter() if shape not in self.compiled else None
         hidden, logits = self.compiled_for(shape)(ids, b.positions, sample, static.ctx, hidden)
         if start is not None:
-            self.shapes.add(shape)
             self.compile_s += time.perf_counter() - start
             logger.info("compiled the static step for %d requests x %d tokens in %.1f s", shape[0],
                         shape[1] // shape[0], time.perf_counter() - start)

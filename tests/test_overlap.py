@@ -30,11 +30,8 @@ def model(request, llama_pair, deepseek_mtp):
     return llama_pair[0] if request.param == "llama" else deepseek_mtp
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded", "logprobs"])
-def test_same_tokens_as_the_serial_engine(model, kind):
-    """More requests than slots (a finished request's slot is refilled while the next step is in
-    flight), chunked prefill beside decode rows, outputs of 1 to 20 tokens. Seeded draws are
-    keyed by position, so they are the same tokens too."""
+def sampling(kind: str, lengths: tuple[int, ...]) -> list[SamplingParams]:
+    """One request per output length: greedy, greedy with logprobs, or seeded sampling."""
     def params(n, i):
         base = dict(max_tokens=n, ignore_eos=True)
         if kind == "greedy":
@@ -42,7 +39,15 @@ def test_same_tokens_as_the_serial_engine(model, kind):
         if kind == "logprobs":
             return SamplingParams(temperature=0.0, logprobs=2, **base)
         return SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, **base)
-    batch_params = [params(n, i) for i, n in enumerate(LENGTHS)]
+    return [params(n, i) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "logprobs"])
+def test_same_tokens_as_the_serial_engine(model, kind):
+    """More requests than slots (a finished request's slot is refilled while the next step is in
+    flight), chunked prefill beside decode rows, outputs of 1 to 20 tokens. Seeded draws are
+    keyed by position, so they are the same tokens too."""
+    batch_params = sampling(kind, LENGTHS)
     ref, _ = generate(model, BATCH, batch_params)
     got, llm = generate(model, BATCH, batch_params, overlap=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -105,20 +110,27 @@ def test_stop_strings_and_eos_end_a_request_one_step_early(path, spec):
                                                                        for o in ref]
 
 
-def test_abort_while_a_step_is_in_flight(llama_pair):
-    llm = LLM(model=llama_pair[0], page_size=4, num_kv_pages=64, overlap=True)
+@pytest.mark.parametrize("spec", [None, {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}],
+                         ids=["plain", "mtp"])
+def test_abort_while_a_step_is_in_flight(llama_pair, deepseek_mtp, spec):
+    """A plain step: the aborted request's placeholder goes. A speculative one: its prepared step
+    is prepared again without it. The other's tokens are the serial engine's, every page back."""
+    path = llama_pair[0] if spec is None else deepseek_mtp
+    llm = LLM(model=path, page_size=4, num_kv_pages=64, overlap=True, speculation=spec)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     keep = engine.add_request(prompts([9])[0], params)
     drop = engine.add_request(prompts([14], seed=5)[0], params)
-    for _ in range(4):
+    for _ in range(4 if spec is None else 5):
         engine.step()
-    assert engine.in_flight is not None and drop.output_ids[-1] == PENDING
+    assert engine.in_flight is not None
+    assert engine.in_flight.speculative if spec else drop.output_ids[-1] == PENDING
     engine.abort(drop.request_id)
     assert drop.is_finished and PENDING not in drop.output_ids
     while engine.has_unfinished():
         engine.step()
-    ref = LLM(model=llama_pair[0], page_size=4, num_kv_pages=64).generate([prompts([9])[0]], params, use_tqdm=False)
+    ref = LLM(model=path, page_size=4, num_kv_pages=64, speculation=spec).generate([prompts([9])[0]], params,
+                                                                                  use_tqdm=False)
     assert keep.output_ids == ref[0].token_ids
 
 
@@ -146,17 +158,6 @@ def test_config_refuses_overlap_where_it_cannot_run():
 SPEC_LENGTHS = (24, 7, 1, 19, 24, 2, 13)
 
 
-def spec_params(kind: str) -> list[SamplingParams]:
-    def params(n, i):
-        base = dict(max_tokens=n, ignore_eos=True)
-        if kind == "greedy":
-            return SamplingParams(temperature=0.0, **base)
-        if kind == "logprobs":
-            return SamplingParams(temperature=0.0, logprobs=2, **base)
-        return SamplingParams(temperature=0.8, seed=7 + i, **base)
-    return [params(n, i) for i, n in enumerate(SPEC_LENGTHS)]
-
-
 SPECS = {
     "mtp-k1": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 1, "adaptive": False}),
     "mtp-k3": ("deepseek", {"mode": "mtp", "num_speculative_tokens": 3, "adaptive": False}),
@@ -179,7 +180,7 @@ def test_speculation_overlapped_gives_the_same_tokens(llama_pair, deepseek_mtp, 
     path = deepseek_mtp if which == "deepseek" else llama_pair[0]
     if spec["mode"] == "draft":
         spec = {**spec, "draft_model": llama_pair[0] if name.startswith("self") else llama_pair[1]}
-    params = spec_params(kind)
+    params = sampling(kind, SPEC_LENGTHS)
     ref, _ = generate(path, BATCH, params, speculation=spec)
     got, llm = generate(path, BATCH, params, speculation=spec, overlap=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -220,23 +221,3 @@ def test_speculation_overlapped_under_preemption_and_compiled(deepseek_mtp, monk
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert any(Q == 3 * B for B, Q, _ in llm.engine.runner.static.shapes)  # verify steps ran static
     torch._dynamo.reset()
-
-
-def test_abort_while_a_speculative_step_is_in_flight(deepseek_mtp):
-    """An aborted request's prepared step is prepared again without it; the other's tokens are
-    the serial engine's and every page comes back."""
-    spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-    llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=64, overlap=True, speculation=spec)
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    keep = engine.add_request(prompts([9])[0], params)
-    drop = engine.add_request(prompts([14], seed=5)[0], params)
-    for _ in range(5):
-        engine.step()
-    assert engine.in_flight is not None and engine.in_flight.speculative
-    engine.abort(drop.request_id)
-    while engine.has_unfinished():
-        engine.step()
-    ref = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=64, speculation=spec).generate(
-        [prompts([9])[0]], params, use_tqdm=False)
-    assert keep.output_ids == ref[0].token_ids

@@ -277,13 +277,19 @@ def stream_one(url: str, index: int, disconnect: bool, results: list) -> None:
                 return  # closing the connection mid-stream
 
 
-def test_concurrent_streams_with_disconnects_free_every_page(server):
-    results: list = [None] * 32
-    threads = [threading.Thread(target=stream_one, args=(server.url, i, i % 4 == 0, results)) for i in range(32)]
+def run_streams(url: str, count: int) -> list:
+    """`count` concurrent streams, every fourth one leaving after two chunks: how each ended."""
+    results: list = [None] * count
+    threads = [threading.Thread(target=stream_one, args=(url, i, i % 4 == 0, results)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=90)
+    return results
+
+
+def test_concurrent_streams_with_disconnects_free_every_page(server):
+    results = run_streams(server.url, 32)
     assert results.count("done") == 24 and results.count("left") == 8
     server.wait_idle()
     assert server.engine.allocator.num_free == server.engine.allocator.num_pages
@@ -418,12 +424,7 @@ def test_overlap_scheduling_under_speculation_serves_streams_and_aborts(tmp_path
                "max_num_seqs": 8, "speculation": {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}}
     engine = Engine(build_config({}, {**options, "overlap": True}))
     with RunningServer(engine, create_app(engine, MODEL, API_KEY)) as running:
-        results: list = [None] * 16
-        threads = [threading.Thread(target=stream_one, args=(running.url, i, i % 4 == 0, results)) for i in range(16)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=90)
+        results = run_streams(running.url, 16)
         assert results.count("done") == 12 and results.count("left") == 4
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         got = client.completions.create(model=MODEL, prompt="def main():", max_tokens=20, temperature=0.0)
