@@ -1,16 +1,19 @@
 """Aggregate decode throughput of EP=2 with data-parallel attention against EP=2 with replicated
 attention, at the same total batch, through the whole engine (scheduler, KV cache, sampler,
-speculator, per-step agreement, request channel).
+speculator, per-step agreement, request channel); or (`--compare overlap`) of EP=2 with
+data-parallel attention, serial against overlap scheduling (`scheduler.overlap`).
 
   .venv/bin/python benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 4 \
-      [--spec none,mtp] [--out docs/bench/dp-attention.json]
+      [--spec none,mtp] [--compare attention|overlap] [--out docs/bench/dp-attention.json]
 
-Two local ranks (processes, gloo) run both layouts on the same process group, taking turns
-(dp, replicated, then replicated, dp, ...), so both see the same machine load. Each run adds all
+Two local ranks (processes, gloo) run both settings on the same process group, taking turns
+(a, b, then b, a, ...), so both see the same machine load. Each run adds all
 requests at once (greedy, ignore_eos) to rank 0, which places them (dp: over both ranks;
 replicated: on both). Decode tokens/s = tokens generated after every request has its first token
 / time from then until the last finishes. The first round of each layout is a warm-up and is not
-counted; the median of the rest is reported.
+counted; the median of the rest is reported. With `--compare overlap`, rank 0's decode and
+verify steps also report the share of their host + device time that ran beside the device
+(`hidden`: the next step scheduled, agreed with the other rank, packed and planned meanwhile).
 """
 from __future__ import annotations
 
@@ -30,11 +33,25 @@ PROMPTS = ["def main():", "import os\nimport sys", "class Parser:", "for i in ra
            "return self.", "with open(path) as f:", "if __name__ =="]
 
 
-def engine_config(attention: str, spec: str, args: argparse.Namespace):
+SETTINGS = {"attention": (("dp", {"parallel.attention": "dp"}), ("replicated", {"parallel.attention": "replicated"})),
+            "overlap": (("overlap", {"scheduler.overlap": True}), ("serial", {"scheduler.overlap": False}))}
+
+
+def engine_config(setting: dict, spec: str, args: argparse.Namespace):
     speculation = {"mode": "none"} if spec == "none" else {"mode": "mtp", "num_speculative_tokens": 1,
                                                            "adaptive": False}
-    return load_config(CONFIG, {"parallel.attention": attention, "speculation": speculation,
+    return load_config(CONFIG, {"parallel.attention": "dp", **setting, "speculation": speculation,
                                 "parallel.microbatch": args.microbatch, "parallel.timeout_s": 120})
+
+
+def hidden_share(stats) -> dict:
+    """Share of decode and verify steps' host + device time that ran beside the device."""
+    out = {}
+    for kind in ("decode", "spec"):
+        busy = getattr(stats, f"{kind}_host_s") + getattr(stats, f"{kind}_device_s")
+        if getattr(stats, f"{kind}_steps"):
+            out[kind] = 1.0 - getattr(stats, f"{kind}_wall_s") / busy
+    return out
 
 
 def run_once(engine, args: argparse.Namespace) -> dict:
@@ -50,7 +67,8 @@ def run_once(engine, args: argparse.Namespace) -> dict:
     tokens = sum(len(s.output_ids) for s in seqs) - at_start
     steps = sum(s.metrics.num_spec_steps for s in seqs)
     accept = (sum(s.metrics.num_accepted_tokens for s in seqs) + steps) / steps if steps else None
-    return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens, "accept_length": accept}
+    return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens, "accept_length": accept,
+            "hidden": hidden_share(engine.stats)}
 
 
 def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
@@ -59,21 +77,21 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     torch.set_num_threads(1)
-    ranks = join_ranks(engine_config("dp", "none", args))
+    ranks = join_ranks(engine_config({}, "none", args))
     results: dict[str, list[dict]] = {}
     try:
         for spec in args.spec.split(","):
             for rnd in range(args.repeats + 1):
-                order = ("dp", "replicated") if rnd % 2 == 0 else ("replicated", "dp")
-                for attention in order:
-                    config = engine_config(attention, spec, args)
-                    ranks.runtime.dp = attention == "dp"
+                pair = SETTINGS[args.compare]
+                for label, setting in pair if rnd % 2 == 0 else pair[::-1]:
+                    config = engine_config(setting, spec, args)
+                    ranks.runtime.dp = config.parallel.attention == "dp"
                     engine = Engine(config, ranks=ranks)
                     if ranks.ctx.leader:
                         run = run_once(engine, args)
                         engine.stop_ranks()
                         if rnd:  # round 0 warms both layouts up
-                            results.setdefault(f"{spec}/{attention}", []).append(run)
+                            results.setdefault(f"{spec}/{label}", []).append(run)
                     else:
                         engine.serve_forever()
     finally:
@@ -81,15 +99,18 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
     return results if rank == 0 else None
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
+def summarize(runs: dict[str, list[dict]], compare: str) -> dict:
     out = {}
     for key, values in runs.items():
         rates = [v["decode_tokens_per_s"] for v in values]
         out[key] = {"median_decode_tokens_per_s": statistics.median(rates), "runs": rates,
-                    "accept_length": values[-1]["accept_length"]}
+                    "accept_length": values[-1]["accept_length"],
+                    "hidden": {kind: statistics.median(v["hidden"][kind] for v in values)
+                               for kind in values[-1]["hidden"]}}
+    (a, _), (b, _) = SETTINGS[compare]
     for spec in {key.split("/")[0] for key in runs}:
-        dp, rep = out[f"{spec}/dp"], out[f"{spec}/replicated"]
-        out[f"{spec}/dp_over_replicated"] = dp["median_decode_tokens_per_s"] / rep["median_decode_tokens_per_s"]
+        out[f"{spec}/{a}_over_{b}"] = (out[f"{spec}/{a}"]["median_decode_tokens_per_s"]
+                                       / out[f"{spec}/{b}"]["median_decode_tokens_per_s"])
     return out
 
 
@@ -100,16 +121,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--spec", default="none,mtp", help="comma list of none, mtp (MTP k=1)")
     parser.add_argument("--microbatch", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compare", choices=sorted(SETTINGS), default="attention",
+                        help="attention: dp against replicated; overlap: serial against scheduler.overlap (dp)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = run_ranks(bench_rank, 2, args, timeout_s=3600)
     for result in results:
         if result.error:
             raise SystemExit(f"rank {result.rank} failed: {result.error}")
-    summary = summarize(results[0].value)
+    summary = summarize(results[0].value, args.compare)
     report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "config": CONFIG, "requests": args.requests, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "microbatch": args.microbatch, "results": summary}
+              "repeats": args.repeats, "microbatch": args.microbatch, "compare": args.compare, "results": summary}
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

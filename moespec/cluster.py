@@ -286,12 +286,13 @@ class Cluster:
         sent = self.progress.setdefault(seq.request_id, Sent())
         keep = len(os.path.commonprefix([sent.text, seq.text]))  # text grows, or is cut back at a stop string
         m = seq.metrics
-        update = Update(seq.request_id, seq.output_ids[sent.tokens:], seq.logprobs[sent.logprobs:], keep,
+        known = seq.num_known_tokens - len(seq.prompt_ids)  # not the placeholders of a step in flight (overlap)
+        update = Update(seq.request_id, seq.output_ids[sent.tokens:known], seq.logprobs[sent.logprobs:], keep,
                         seq.text[keep:], seq.streamable_chars, seq.finish_reason if seq.is_finished else None,
                         seq.stop_reason, (m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens,
                                           m.num_spec_steps,
                                           -1 if m.num_cached_tokens is None else m.num_cached_tokens))
-        sent.tokens, sent.logprobs, sent.text = len(seq.output_ids), len(seq.logprobs), seq.text
+        sent.tokens, sent.logprobs, sent.text = known, len(seq.logprobs), seq.text
         if seq.is_finished:
             del self.progress[seq.request_id]
         return update

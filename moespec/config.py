@@ -95,8 +95,8 @@ class SchedulerSection:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    # the host schedules and packs step n+1 while step n runs on a worker thread, and reads
-    # step n's tokens one step behind (moespec.overlap); one process
+    # the host schedules and packs step n+1 (across ranks: agrees on it) while step n runs, and
+    # reads step n's tokens one step behind (moespec.overlap)
     overlap: bool = False
 
 
@@ -140,9 +140,6 @@ class EngineConfig:
             check_positive(self.model.max_model_len, "model.max_model_len")
         for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes"):
             check_positive(getattr(self.server, key), f"server.{key}")
-        if self.scheduler.overlap and self.parallel.ep_size > 1:
-            raise ConfigError("scheduler.overlap is not supported with parallel.ep_size > 1 yet: "
-                              "run one process, or set scheduler.overlap: false")
         if self.scheduler.overlap and self.speculation.mode != "none" and self.model.attention_backend != "torch":
             # a verify step planned before the previous one's accepted lengths are known is shifted on
             # the device (TorchPagedAttention.shift); FlashInfer's plan takes the lengths on the host

@@ -14,6 +14,10 @@ how many MTP forwards come before the target forward and whether one follows it,
 (`moespec.cluster`). A rank with fewer forwards of its own joins the others' with empty ones
 (`Lockstep.join_target`, `pad_mtp`): its MoE layers run their collectives with zero rows.
 
+The agreement runs on its own gloo group over host tensors (`ParallelContext.control_group`), so
+under overlap scheduling a helper thread agrees on step n+1 while step n's MoE layers exchange
+tokens; `Lockstep.begin` sets the plan a step's forwards follow when they start.
+
 Shapes legend: G ranks in the EP group, F report fields.
 """
 from __future__ import annotations
@@ -106,7 +110,8 @@ class Lockstep:
     def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool) -> None:
         self.ctx, self.runtime, self.fixed = ranks.ctx, ranks.runtime, fixed
         self.target_experts, self.mtp_experts, self.dtype = target_experts, mtp_experts, dtype
-        self.plan: StepPlan | None = None
+        self.plan: StepPlan | None = None  # the step whose forwards run now
+        self.latest: StepPlan | None = None  # the last agreement (overlap: the step after the running one)
         self.mtp_done = 0  # MoE-bearing MTP forwards this step, own or joined
 
     @property
@@ -114,16 +119,22 @@ class Lockstep:
         return self.ctx.ep_rank
 
     def agree(self, report: StepReport, sent: tuple[int, ...]) -> StepPlan:
-        """All-gather every rank's report [G, F] (rank 0 appends its per-rank command counts)."""
+        """All-gather every rank's report [G, F] (rank 0 appends its per-rank command counts) on the
+        control group: host tensors over gloo, beside the forwards' collectives (overlap agrees on
+        step n+1 from a helper thread while step n's MoE layers exchange tokens)."""
         G = self.ctx.ep_size
         mine = torch.tensor(report.encode() + list(sent if sent else (0,) * G), dtype=torch.int64)
-        table = torch.empty(G * mine.numel(), dtype=torch.int64, device=self.ctx.device)
-        dist.all_gather_into_tensor(table, mine.to(self.ctx.device), group=self.ctx.ep_group)
-        rows = table.view(G, -1).cpu().tolist()
+        table = torch.empty(G * mine.numel(), dtype=torch.int64)
+        dist.all_gather_into_tensor(table, mine, group=self.ctx.control_group)
+        rows = table.view(G, -1).tolist()
         F = StepReport.size()
         reports = [StepReport(*row[:F]) for row in rows]
-        self.plan, self.mtp_done = decide(reports, tuple(rows[0][F:])), 0
-        return self.plan
+        self.latest = decide(reports, tuple(rows[0][F:]))
+        return self.latest
+
+    def begin(self, plan: StepPlan) -> None:
+        """The agreed step `plan` runs its forwards now (on the engine's thread)."""
+        self.plan, self.mtp_done = plan, 0
 
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
 from moespec.sampling import (Sampler, SamplerOutput, SamplingBatch, SamplingParams, compute_probs, draw_uniform,
                               exact_tokens, greedy_tokens, invert_cdf)
-from moespec.scheduler import Scheduler, SchedulerOutput
+from moespec.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from moespec.sequence import Sequence, Status, TokenLogprob
 from moespec.speculation import (DraftRows, create_speculator, select_rows, verify_greedy, verify_lossless,
                                  verify_relaxed)
@@ -71,6 +72,9 @@ class StepStats:
     spec_wall_s: float = 0.0
     tokens: int = 0
     requests: int = 0  # requests this engine ran (across ranks: placed on this rank)
+    ahead_steps: int = 0  # overlap: steps decided (and across ranks agreed) while the step before ran
+    shifted_steps: int = 0  # ... of them verify steps prepared for its longest outcome, shifted back
+    prepared_again: int = 0  # ... prepared again once it was processed (a request finished; a plain step)
 
 
 @dataclass
@@ -292,7 +296,7 @@ class Engine:
         if self.cluster is None:
             self.queue(seq)
         else:
-            self.cluster.submit(seq, self.lockstep.plan.loads if self.lockstep.plan else None)
+            self.cluster.submit(seq, self.lockstep.latest.loads if self.lockstep.latest else None)
         return seq
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -354,16 +358,16 @@ class Engine:
 
     def num_waiting(self) -> int:
         """Sequences waiting to be scheduled, on every rank (rank 0's latest view)."""
-        if self.cluster is None or self.lockstep.plan is None:
+        if self.cluster is None or self.lockstep.latest is None:
             return len(self.scheduler.waiting) + (self.cluster.num_queued() if self.cluster else 0)
-        others = sum(load.waiting for load in self.lockstep.plan.loads[1:]) if self.cluster.dp else 0
+        others = sum(load.waiting for load in self.lockstep.latest.loads[1:]) if self.cluster.dp else 0
         return len(self.scheduler.waiting) + self.cluster.num_queued() + others
 
     def rank_loads(self) -> list | None:
         """Per-rank running, waiting and KV pages as of the last step's agreement (None: one process)."""
-        if self.lockstep is None or self.lockstep.plan is None:
+        if self.lockstep is None or self.lockstep.latest is None:
             return None
-        return list(self.lockstep.plan.loads)
+        return list(self.lockstep.latest.loads)
 
     # ------------------------------------------------------------------ one step
 
@@ -379,24 +383,39 @@ class Engine:
             self.last_step = time.monotonic()
 
     def run_step(self, stop: bool = False) -> EngineOutputs:
-        return self.run_overlapped() if self.worker is not None else self.run_serial(stop)
+        return self.run_overlapped(stop) if self.worker is not None else self.run_serial(stop)
+
+    def apply_commands(self) -> None:
+        """Rank 0's commands (add, abort) that the last agreement counted, applied here: every rank
+        applies them at the same step, before it schedules the next one."""
+        if self.cluster is not None and self.lockstep.latest is not None:
+            self.phase = "receive commands from rank 0"
+            for command in self.cluster.take_commands(self.lockstep.latest.sent[self.cluster.rank]):
+                self.apply(command)
+
+    def begin(self, plan: StepPlan) -> None:
+        """An agreed step's forwards start (on this thread)."""
+        if self.lockstep is not None:
+            self.lockstep.begin(plan)
+
+    def stop_here(self, plan: StepPlan) -> EngineOutputs:
+        """Rank 0 ended the ranks' loop in this agreement."""
+        self.stopped = True
+        if self.cluster is not None:  # commands counted but never to run: leave the channel empty
+            self.cluster.take_commands(plan.sent[self.cluster.rank])
+        return EngineOutputs()
 
     def run_serial(self, stop: bool = False) -> EngineOutputs:
         """One step, all on this thread: schedule, agree, prepare, forward, sample, postprocess."""
-        if self.cluster is not None and self.lockstep.plan is not None:
-            self.phase = "receive commands from rank 0"
-            for command in self.cluster.take_commands(self.lockstep.plan.sent[self.cluster.rank]):
-                self.apply(command)
+        self.apply_commands()
         self.phase = "schedule"
         start = time.perf_counter()
         scheduled = self.schedule()
         self.phase = "agree on the step with the other ranks"
         plan = self.agree(scheduled, stop)
         if plan.stop:
-            self.stopped = True
-            if self.cluster is not None:  # commands counted but never to run: leave the channel empty
-                self.cluster.take_commands(plan.sent[self.cluster.rank])
-            return EngineOutputs()
+            return self.stop_here(plan)
+        self.begin(plan)
         if not scheduled.chunks:
             if plan.run:
                 self.join_step(plan)
@@ -404,12 +423,8 @@ class Engine:
         prepared = self.prepare(scheduled, plan, start)
         if prepared.num_spec:
             return self.finish_speculative(prepared, self.speculate(prepared))
-        if self.lockstep is not None:
-            self.lockstep.pad_mtp(plan.mtp_before)
         start = time.perf_counter()
         result = self.execute(prepared)
-        if self.lockstep is not None:
-            self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
         device_s = time.perf_counter() - start
         start = time.perf_counter()
         self.phase = "postprocess"
@@ -424,81 +439,136 @@ class Engine:
 
     # ------------------------------------------------------------------ overlapped step
 
-    def run_overlapped(self) -> EngineOutputs:
+    def run_overlapped(self, stop: bool = False) -> EngineOutputs:
         """Run step n (prepared by the previous call) while a helper thread schedules, packs and
         plans step n+1; then process step n's results. A step that needs a token on the host
-        runs serially (moespec.overlap)."""
+        runs serially, and so does rank 0's last step, which stops the ranks (moespec.overlap)."""
         start = time.perf_counter()
+        self.apply_commands()
         ready, self.in_flight = self.in_flight, None
-        if ready is not None and ready.speculative and any(seq.is_finished for seq in ready.prepared.sampled):
-            ready = None  # a request finished with the step before: prepare the step again, here
-        if self.num_serial:  # a request needs its previous token on the host
+        if ready is not None:
+            ready = self.settle(ready, start)
+        if ready is not None and ready.plan.stop:
+            return self.stop_here(ready.plan)
+        if self.num_serial or stop:  # a request needs its previous token on the host
             outputs = self.run_prepared(ready, None, start) if ready is not None else EngineOutputs()
-            return EngineOutputs(outputs.updated + self.run_serial().updated)
+            return EngineOutputs(outputs.updated + self.run_serial(stop).updated)
         if ready is None:  # the pipeline starts: prepare a step here first
             ready = self.prepare_next(None, start)
             if ready is None:
                 return EngineOutputs()
+            if ready.plan.stop:
+                return self.stop_here(ready.plan)
         following = self.worker.submit(self.prepare_next, ready, time.perf_counter())
         return self.run_prepared(ready, following, start)
 
+    def settle(self, flight: InFlight, start: float) -> InFlight | None:
+        """The step decided ahead, as it runs now that the step before was processed. A speculative
+        step holding a request that finished (or was aborted) since, or a step that could not be
+        prepared ahead, is prepared again from the host's state now: one process decides it anew
+        (None), ranks run what they agreed with the others, without the requests that finished."""
+        if flight.prepared is not None and not (flight.speculative and any(s.is_finished for s in flight.requests)):
+            return flight
+        if flight.plan.stop or not flight.requests:  # the ranks stop, or this rank joins the others
+            return flight
+        if self.lockstep is None:
+            return None
+        self.stats.prepared_again += 1
+        chunks = [ScheduledChunk(seq, seq.num_computed, 1) for seq in flight.requests if not seq.is_finished]
+        if not chunks:
+            return InFlight(flight.plan, None)
+        # pages are there: reserved for the step before's longest outcome and this one's lookahead
+        self.next_tree = flight.prepared.tree if flight.prepared is not None else None
+        prepared = self.prepare(SchedulerOutput(chunks, []), flight.plan, start)
+        return self.advance(prepared, None, start)
+
     def run_prepared(self, flight: InFlight, following, start: float) -> EngineOutputs:
         """Step n's device side on this thread (step n-1's outcome put in place first), then, once
-        the helper has prepared step n+1 (`following`), n's results processed."""
+        the helper has prepared step n+1 (`following`), n's results processed. Across ranks a
+        step with no requests here joins the others' forwards."""
         prepared = flight.prepared
+        self.begin(flight.plan)
         device_start = time.perf_counter()
-        if flight.rows is not None:
-            self.place_previous(flight)
-        if prepared.num_spec:
-            result = self.speculate(prepared)
-            outcome = result.outcome
-        else:
-            result = self.execute(prepared)
-            outcome = Outcome(result.tokens[:, None])
+        try:
+            if flight.rows is not None:
+                self.place_previous(flight)
+            if prepared is None:
+                self.join_step(flight.plan)
+                result = outcome = None
+            elif prepared.num_spec:
+                result = self.speculate(prepared)
+                outcome = result.outcome
+            else:
+                result = self.execute(prepared, flight.observed)
+                outcome = Outcome(result.tokens[:, None])
+        finally:
+            flight.observed.set()  # the helper never waits on a step that failed
         device_s = time.perf_counter() - device_start
         if following is not None:
             self.phase = "wait for the next step's preparation"
             self.in_flight = following.result()
             if self.in_flight is not None:
                 self.in_flight.previous = outcome
-        if prepared.num_spec:
+                self.stats.ahead_steps += 1
+                self.stats.shifted_steps += self.in_flight.ahead
+        if prepared is None:
+            outputs = EngineOutputs()
+        elif prepared.num_spec:
             outputs = self.finish_speculative(prepared, result, start)
         else:
             outputs = self.process(flight, result, device_s, start)
-        if self.in_flight is not None:
+        if self.in_flight is not None and self.in_flight.prepared is not None:
             self.publish([c.seq for c in self.in_flight.prepared.scheduled.chunks])  # their tokens are known now
         return outputs
 
     def prepare_next(self, previous: InFlight | None, start: float) -> InFlight | None:
-        """Schedule, pack and plan a step (None: nothing to run, or nothing that can be decided
-        before `previous` has run), and advance the host's view of a plain step's requests: KV
-        computed through their chunks, one placeholder token per sampled request. Runs on the
-        helper thread while `previous` computes. After a speculative step only another one is
-        prepared, for that step's longest outcome (moespec.overlap)."""
+        """Schedule, agree (across ranks), pack and plan a step, and advance the host's view of a
+        plain step's requests: KV computed through their chunks, one placeholder token per sampled
+        request. Runs on the helper thread while `previous` computes. After a speculative step
+        only another one is prepared, for that step's longest outcome (moespec.overlap). None:
+        nothing to run, or nothing that can be decided before `previous` has run (then no
+        agreement was made either)."""
         self.phase = "schedule"
+        if previous is not None and previous.prepared is None:
+            previous = None  # it joined the others' forwards: nothing of this rank's in flight
         extra = previous.widths() if previous is not None and previous.speculative else {}
         if extra:
             scheduled = self.scheduler.schedule_ahead(extra, self.speculator.lookahead)
         else:  # a preemption would release draft state the step in flight uses
             scheduled = self.schedule(can_preempt=previous is None or not self.speculator.max_tokens)
-        if scheduled is None or not scheduled.chunks:
+        if scheduled is None or (not scheduled.chunks and self.lockstep is None):
             return None
-        plan = decide([self.report(scheduled, False, extra)])
-        if extra and not plan.ks[0]:
-            return None
-        prepared = self.prepare(scheduled, plan, start, extra)
+        if previous is not None and not extra and getattr(self.speculator, "sync", None) is not None:
+            self.phase = "wait for the step before's target forward"
+            previous.observed.wait()  # its MTP bookkeeping (held hidden states) decides this report
+        self.phase = "agree on the step with the other ranks"
+        plan = self.agree(scheduled, False, extra)
+        if plan.stop:
+            return InFlight(plan, None)
+        if not scheduled.chunks:  # the others run a step: join it, or nothing runs anywhere
+            return InFlight(plan, None) if plan.run else None
+        if extra and not plan.ks[self.lockstep.rank if self.lockstep else 0]:
+            # a plain step needs the last token on the host: prepared once the step before is processed
+            return InFlight(plan, None, scheduled=scheduled) if self.lockstep is not None else None
+        return self.advance(self.prepare(scheduled, plan, start, extra), previous, start, ahead=bool(extra))
+
+    def advance(self, prepared: PreparedStep, previous: InFlight | None, start: float,
+                ahead: bool = False) -> InFlight:
+        """A prepared step in flight. A plain step advances its requests' host state now (KV
+        computed through their chunks, a placeholder per sampled token); a speculative step's
+        requests change when it is processed (moespec.overlap)."""
         rows, sources = self.pending_rows(prepared, previous)
-        if prepared.num_spec:  # its requests' host state changes when it is processed, not before
+        if prepared.num_spec:
             prepared.host_s = time.perf_counter() - start
-            return InFlight(prepared, [], rows, sources, ahead=bool(extra))
-        for chunk in scheduled.chunks:
+            return InFlight(prepared.plan, prepared, [], rows, sources, ahead=ahead)
+        for chunk in prepared.scheduled.chunks:
             chunk.seq.num_computed = chunk.end
         pending_at = []
         for seq in prepared.sampled:
             pending_at.append(len(seq.output_ids))
             seq.output_ids.append(PENDING)
         prepared.host_s = time.perf_counter() - start
-        return InFlight(prepared, pending_at, rows, sources)
+        return InFlight(prepared.plan, prepared, pending_at, rows, sources)
 
     def pending_rows(self, prepared: PreparedStep, previous: InFlight | None):
         """Rows of this batch whose token the previous step samples, and those requests' rows in
@@ -588,9 +658,10 @@ class Engine:
             self.cluster.local_unfinished = len(self.scheduler.running) + len(self.scheduler.waiting)
         return scheduled
 
-    def agree(self, scheduled: SchedulerOutput, stop: bool) -> StepPlan:
-        """This step as every rank will run it (one process: decided from its own report alone)."""
-        report = self.report(scheduled, stop)
+    def agree(self, scheduled: SchedulerOutput, stop: bool, extra: dict[int, int] | None = None) -> StepPlan:
+        """This step as every rank will run it (one process: decided from its own report alone).
+        `extra`: tokens a step in flight may still add to a request (by id; overlap)."""
+        report = self.report(scheduled, stop, extra)
         if self.lockstep is None:
             return decide([report])
         sent = tuple(self.cluster.sent) if self.cluster.front else ()
@@ -604,7 +675,9 @@ class Engine:
         `extra`: tokens a step in flight may still add to a request (by id; overlap)."""
         chunks, spec = scheduled.chunks, self.speculator
         k_wish, room, lags = -1, 0, False
-        synced_mtp = getattr(spec, "sync", None) is not None
+        # MTP forwards across ranks; after a verify step (extra) the MTP re-run has left every
+        # request caught up with no hidden states held (and its state is being written meanwhile)
+        synced_mtp = getattr(spec, "sync", None) is not None and not extra
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
             lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
@@ -683,10 +756,20 @@ class Engine:
         states = [s.grammar for s in seqs]
         return batch.constrained(self.grammars.masks(states), self.vocab_size) if any(states) else batch
 
-    def execute(self, prepared: PreparedStep) -> SamplerOutput:
+    def execute(self, prepared: PreparedStep, observed: threading.Event | None = None) -> SamplerOutput:
+        """A plain step's device side: the target forward (an MTP flush may follow), sampling.
+        Across ranks it joins the others' MTP forwards before and after its own. `observed`: set
+        once the speculator has seen the target forward (overlap)."""
+        plan = prepared.plan
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before)
         self.phase = f"target forward ({prepared.batch.mode})"
         hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
         self.speculator.observe(prepared.scheduled.chunks, prepared.batch, hidden)
+        if observed is not None:
+            observed.set()
+        if self.lockstep is not None:
+            self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
         self.phase = "sampling"
         return self.sampler(logits, prepared.sampling)
 

@@ -29,6 +29,14 @@ n's outcome (admitting a waiting request, a plain step, pages that need a preemp
 prepared after n is processed instead, on the engine thread, and a prepared speculative step
 holding a request that finished is prepared again: a wasted preparation, never a wrong token.
 
+Across ranks (expert parallelism) every step is agreed once by all ranks before its forwards;
+the helper makes step n+1's agreement while step n exchanges tokens, on a process group of its
+own. An agreed step always runs: a rank with nothing scheduled joins the others' forwards, and
+one that cannot prepare its part ahead (a plain step after a speculative one; a speculative step
+holding a request that finished) prepares it after n is processed, under the same agreement.
+A rank that cannot decide the step ahead at all agrees after n is processed instead; the others
+wait for it in the collective (docs/static-steps.md).
+
 Steps that need a previous token on the host run serially, after the prepared step has run and
 been processed: requests with repetition, frequency or presence penalties (counted from the
 outputs) or a grammar (its matcher must see the token before the next mask).
@@ -37,6 +45,7 @@ Shapes legend: T tokens, N sampled rows, B requests, W tokens a step may add per
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,18 +77,30 @@ class Outcome:
 
 @dataclass
 class InFlight:
-    """A prepared step that has not run yet: where its placeholders are and what fills them."""
+    """A step decided ahead that has not run yet: what it runs, where its placeholders are and
+    what fills them. Across ranks a step is agreed with the others when it is decided, so it runs
+    even when this rank cannot prepare it ahead: `prepared` is then None, and the step joins the
+    others' forwards (no `scheduled`) or is prepared once the step before is processed."""
 
-    prepared: object  # engine.PreparedStep
+    plan: object  # distributed.StepPlan
+    prepared: object | None  # engine.PreparedStep
     pending_at: list[int] = field(default_factory=list)  # per sampled request: index of its placeholder
     rows: torch.Tensor | None = None  # [P] rows of the batch whose token the previous step samples
     sources: torch.Tensor | None = None  # [P] their requests' rows in the previous step's outcome
     ahead: bool = False  # planned for the previous (speculative) step's longest outcome: shifts back
     previous: Outcome | None = None  # the previous step's outcome, once it has run
+    scheduled: object | None = None  # scheduler.SchedulerOutput of a step agreed, prepared later
+    observed: threading.Event = field(default_factory=threading.Event)  # set once its target forward ran
 
     @property
     def speculative(self) -> bool:
-        return bool(self.prepared.num_spec)
+        return self.prepared is not None and bool(self.prepared.num_spec)
+
+    @property
+    def requests(self) -> list:
+        """The requests this step runs (none when it joins the others' forwards)."""
+        scheduled = self.prepared.scheduled if self.prepared is not None else self.scheduled
+        return [] if scheduled is None else [c.seq for c in scheduled.chunks]
 
     def widths(self) -> dict[int, int]:
         """The most tokens this step adds per sampled request (by id)."""

@@ -46,6 +46,7 @@ class ParallelContext:
     device: torch.device
     timeout_s: float = 120.0
     host: str = "127.0.0.1"  # where other ranks reach rank 0
+    control_group: Any = None  # gloo over the EP group's ranks: the step agreement, beside the forwards'
 
     @property
     def distributed(self) -> bool:
@@ -123,9 +124,10 @@ def init_parallel(config: ParallelSection, env: Mapping[str, str] | None = None)
         where = f"{launch.master_addr}:{launch.master_port}"
         raise ParallelError(f"rank {launch.rank} could not join {launch.world_size} ranks at {where} "
                             f"within {config.timeout_s:g} s: {error}") from error
-    group, ep_rank = build_ep_group(launch.rank, launch.world_size, config.ep_size)
+    group, ep_rank = build_ep_group(launch.rank, launch.world_size, config.ep_size, timeout=timeout)
+    control, _ = build_ep_group(launch.rank, launch.world_size, config.ep_size, "gloo", own=True, timeout=timeout)
     return ParallelContext(launch.rank, launch.world_size, launch.local_rank, group, ep_rank, config.ep_size,
-                           launch.rank == 0, device, config.timeout_s, launch.master_addr)
+                           launch.rank == 0, device, config.timeout_s, launch.master_addr, control)
 
 
 def single_process_context(config: ParallelSection) -> ParallelContext:
@@ -136,13 +138,16 @@ def device_for(config: ParallelSection, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if config.dist_backend == "nccl" else torch.device("cpu")
 
 
-def build_ep_group(rank: int, world_size: int, ep_size: int) -> tuple[Any, int]:
-    """Every rank must create every group (a collective), in the same order."""
-    if ep_size == world_size:
+def build_ep_group(rank: int, world_size: int, ep_size: int, backend: str | None = None,
+                   own: bool = False, timeout: datetime.timedelta | None = None) -> tuple[Any, int]:
+    """Every rank must create every group (a collective), in the same order. `own`: a group of its
+    own even over every rank (its collectives may run beside the default group's, from another
+    thread)."""
+    if ep_size == world_size and not own:
         return dist.group.WORLD, rank
     mine = None
     for start in range(0, world_size, ep_size):
-        group = dist.new_group(list(range(start, start + ep_size)))
+        group = dist.new_group(list(range(start, start + ep_size)), backend=backend, timeout=timeout)
         if start <= rank < start + ep_size:
             mine = group
     return mine, rank % ep_size

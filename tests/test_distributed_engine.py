@@ -32,13 +32,13 @@ SPEC = {
 
 
 def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
-                  num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed"):
+                  num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed", overlap: bool = False):
     speculation = dict(SPEC[spec])
     if spec == "draft":
         speculation["draft_model"] = paths["draft"]
     return build_config({"model": {"path": paths["target"]},
                          "cache": {"page_size": 4, "num_kv_pages": num_kv_pages},
-                         "scheduler": {"max_num_seqs": max_num_seqs},
+                         "scheduler": {"max_num_seqs": max_num_seqs, "overlap": overlap},
                          "speculation": speculation,
                          "parallel": {"ep_size": ep_size, "microbatch": microbatch, "timeout_s": 30,
                                       "attention": attention, "moe_exchange": exchange}})
@@ -73,11 +73,18 @@ def tree_steps(engine) -> int:
     return sum(steps for steps, _ in engine.spec_stats.by_tree.values())
 
 
+def ahead(engine) -> tuple[int, int, int]:
+    """Overlap: steps agreed while the step before ran, verify steps among them prepared for its
+    longest outcome, and steps prepared again once it was processed."""
+    s = engine.stats
+    return s.ahead_steps, s.shifted_steps, s.prepared_again
+
+
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
     requests it ran, most requests running at once, accept length, cached prompt tokens per
     request), the others (None, their verify steps, requests they ran, 0, 0.0, None); each also
-    its tree verify steps; last, whether the fixed-capacity exchange ran."""
+    its tree verify steps and `ahead` counts; last, whether the fixed-capacity exchange ran."""
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
@@ -85,18 +92,19 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     try:
         for s in scenarios:
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
-                                   s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"))
+                                   s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"),
+                                   s.get("overlap", False))
             ranks.runtime.microbatch, ranks.runtime.dp = config.parallel.microbatch, config.parallel.attention == "dp"
             engine = Engine(config, ranks=ranks)
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
                 results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
-                                engine.accept_length, engine.cached_tokens, tree_steps(engine)))
+                                engine.accept_length, engine.cached_tokens, tree_steps(engine), ahead(engine)))
             else:
                 engine.serve_forever()
                 results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None,
-                                tree_steps(engine)))
+                                tree_steps(engine), ahead(engine)))
         results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
@@ -126,7 +134,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
         assert result.error is None, result.error
         assert result.value[-1], "no decode step used the fixed-capacity exchange"
     for i, s in enumerate(scenarios):
-        outputs, spec_steps, placed, _, accept_length, _, _ = results[0].value[i]
+        outputs, spec_steps, placed, _, accept_length, _, _, _ = results[0].value[i]
         expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
         assert outputs == expected, s
         if s["spec"].startswith("mtp"):  # no collapse of the accept length under DP (cf. SGLang #16274)
@@ -178,6 +186,29 @@ def test_replicated_attention_matches_one_process(paths):
         {"spec": "mtp-tree", "requests": TOGETHER, "attention": "replicated"},
         {"spec": "none", "requests": TOGETHER, "attention": "replicated", "microbatch": False, "exchange": "uneven"},
     ])
+
+
+def test_overlap_across_ranks_matches_one_process(paths):
+    """scheduler.overlap at EP=2: each rank agrees on step n+1 from its helper thread while step n
+    exchanges tokens, and under speculation prepares it for n's longest outcome. Greedy output
+    equals one serial process: no speculation, MTP k=1 and k=2 (ranks idle, requests arriving and
+    finishing while a step is in flight), adaptive MTP (ranks agreeing on a k that one rank's
+    prepared step did not ask for), draft-target, and replicated attention."""
+    scenarios = [
+        {"spec": "none", "requests": STAGGERED, "overlap": True},
+        {"spec": "mtp1", "requests": STAGGERED, "overlap": True},
+        {"spec": "mtp2", "requests": STAGGERED, "overlap": True},
+        {"spec": "mtp2-adaptive", "requests": STAGGERED, "overlap": True},
+        {"spec": "draft", "requests": TOGETHER, "overlap": True},
+        {"spec": "mtp2", "requests": TOGETHER, "attention": "replicated", "overlap": True},
+    ]
+    results = check_runs(paths, 2, scenarios)
+    for i, s in enumerate(scenarios):
+        counts = [r.value[i][7] for r in results]  # per rank: (ahead, shifted, prepared again)
+        assert all(c[0] >= 10 for c in counts), (s, counts)  # every rank agreed steps from its helper
+        if s["spec"] != "none":
+            assert sum(c[1] for c in counts) >= 5, (s, counts)  # verify steps planned ahead and shifted
+    assert sum(c[2] for i in range(len(scenarios)) for c in (r.value[i][7] for r in results)) > 0
 
 
 def test_dp_kv_capacity_is_the_sum_over_ranks(paths):
