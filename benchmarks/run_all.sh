@@ -75,3 +75,6 @@ $PROFILE --model checkpoints/tiny-deepseek-v3 --out docs/bench/profile-tiny-deep
 # expert parallelism over 2 local ranks: data-parallel against replicated attention
 $PY benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 6 --spec none,mtp \
     --out docs/bench/dp-attention.json
+# ... and serial against overlap scheduling (scheduler.overlap) across the ranks
+$PY benchmarks/bench_dp_attention.py --compare overlap --requests 32 --max-tokens 48 --repeats 4 \
+    --spec none,mtp --out docs/bench/ep-overlap-scheduling.json
