@@ -1,10 +1,12 @@
 """Aggregate decode throughput of EP=2 with data-parallel attention against EP=2 with replicated
 attention, at the same total batch, through the whole engine (scheduler, KV cache, sampler,
-speculator, per-step agreement, request channel); or (`--compare overlap`) of EP=2 with
-data-parallel attention, serial against overlap scheduling (`scheduler.overlap`).
+speculator, per-step agreement, request channel); or of EP=2 with data-parallel attention,
+serial against overlap scheduling (`--compare overlap`, `scheduler.overlap`), or eager against
+compiled steps (`--compare compile`, `model.compile`; buckets of 8 and 16 requests per rank,
+every rank compiling them before each run, as `moespec serve` does).
 
   .venv/bin/python benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 4 \
-      [--spec none,mtp] [--compare attention|overlap] [--out docs/bench/dp-attention.json]
+      [--spec none,mtp] [--compare attention|overlap|compile] [--out docs/bench/dp-attention.json]
 
 Two local ranks (processes, gloo) run both settings on the same process group, taking turns
 (a, b, then b, a, ...), so both see the same machine load. Each run adds all
@@ -34,7 +36,9 @@ PROMPTS = ["def main():", "import os\nimport sys", "class Parser:", "for i in ra
 
 
 SETTINGS = {"attention": (("dp", {"parallel.attention": "dp"}), ("replicated", {"parallel.attention": "replicated"})),
-            "overlap": (("overlap", {"scheduler.overlap": True}), ("serial", {"scheduler.overlap": False}))}
+            "overlap": (("overlap", {"scheduler.overlap": True}), ("serial", {"scheduler.overlap": False})),
+            "compile": (("compiled", {"model.compile": True, "model.compile_batch_sizes": [8, 16]}),
+                        ("eager", {"model.compile": False}))}
 
 
 def engine_config(setting: dict, spec: str, args: argparse.Namespace):
@@ -87,6 +91,7 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
                     config = engine_config(setting, spec, args)
                     ranks.runtime.dp = config.parallel.attention == "dp"
                     engine = Engine(config, ranks=ranks)
+                    engine.warm_up()  # model.compile: every bucket now, on every rank (no collectives)
                     if ranks.ctx.leader:
                         run = run_once(engine, args)
                         engine.stop_ranks()
@@ -122,7 +127,8 @@ def main() -> None:
     parser.add_argument("--spec", default="none,mtp", help="comma list of none, mtp (MTP k=1)")
     parser.add_argument("--microbatch", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compare", choices=sorted(SETTINGS), default="attention",
-                        help="attention: dp against replicated; overlap: serial against scheduler.overlap (dp)")
+                        help="attention: dp against replicated; overlap: serial against scheduler.overlap; "
+                             "compile: eager against model.compile (both dp)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = run_ranks(bench_rank, 2, args, timeout_s=3600)

@@ -78,3 +78,6 @@ $PY benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 6 -
 # ... and serial against overlap scheduling (scheduler.overlap) across the ranks
 $PY benchmarks/bench_dp_attention.py --compare overlap --requests 32 --max-tokens 48 --repeats 4 \
     --spec none,mtp --out docs/bench/ep-overlap-scheduling.json
+# ... and eager against compiled steps (model.compile) across the ranks
+$PY benchmarks/bench_dp_attention.py --compare compile --requests 32 --max-tokens 48 --repeats 3 \
+    --spec none,mtp --out docs/bench/ep-compile.json

@@ -173,6 +173,8 @@ class DeepseekMoE(nn.Module):
         self.experts = experts
         self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
                                if config.n_shared_experts else None)
+        if hasattr(experts, "bind_shared"):  # expert parallel: a compiled step runs both in one opaque op
+            experts.bind_shared(self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)

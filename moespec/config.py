@@ -147,9 +147,6 @@ class EngineConfig:
                               "set scheduler.overlap: false for flashinfer")
         if self.speculation.tree is not None and self.speculation.mode != "none":
             self.check_tree()
-        if self.model.compile and self.parallel.ep_size > 1:
-            raise ConfigError("model.compile is not supported with parallel.ep_size > 1 yet: expert-parallel "
-                              "steps run eager")
         for size in self.model.compile_batch_sizes or ():
             check_positive(size, "model.compile_batch_sizes")
         for key in ("step_timeout_s", "drain_timeout_s"):

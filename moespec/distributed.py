@@ -242,15 +242,18 @@ def defer_signals_to_rank0(rank: int) -> None:
         signal.signal(signum, note)
 
 
-def start_engine(config: EngineConfig):
+def start_engine(config: EngineConfig, warm_up: bool = False):
     """One process: its Engine. Under torchrun or slurm every rank builds its Engine; rank 0's is
     returned (it takes requests and places them on the ranks), the others serve their share
-    until rank 0 closes its engine, then exit."""
+    until rank 0 closes its engine, then exit. `warm_up`: every rank compiles its static steps
+    first (model.compile; no collectives), so none stalls the others at a serving step."""
     from moespec.engine import Engine
 
     ranks = join_ranks(config)
     try:
         engine = Engine(config, ranks=ranks)
+        if warm_up:
+            engine.warm_up()
     except BaseException:
         if ranks is not None:
             ranks.close()

@@ -71,7 +71,7 @@ class ModelRunner:
         """Host work for a batch: attention indices and masks (FlashInfer's plan). A batch that
         runs static is planned padded only (`ctx.static`: its plan serves the MTP layer's
         re-run too), and then `ctx.backend` is None."""
-        static = self.static.plan(batch) if self.static is not None and self.sync is None else None  # ranks: eager
+        static = self.static.plan(batch) if self.static is not None else None
         if static is not None:
             ctx = ForwardContext(None, self.cache.layers)
             ctx.static = static
@@ -92,9 +92,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
-        if ctx.static is not None:
-            return self.static.forward(ctx.static, batch.input_ids)
         with self.sync.target(batch) if self.sync is not None else contextlib.nullcontext():
+            if ctx.static is not None:  # across ranks its MoE layers exchange the real rows only
+                return self.static.forward(ctx.static, batch.input_ids)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return hidden, logits

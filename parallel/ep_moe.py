@@ -18,7 +18,9 @@ M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, e
 """
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
@@ -55,6 +57,7 @@ class EPRuntime:
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
         self.split: int | None = None
+        self.num_tokens: int | None = None  # the step's real rows (a compiled step pads the batch past them)
         self.low_latency: bool | None = None  # the fixed-capacity exchange, agreed by all ranks for the step
         self.capacity: int | None = None  # its C under data-parallel attention, agreed for the step
         self.active = False
@@ -73,10 +76,11 @@ class EPRuntime:
             raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
         self.active, self.low_latency, self.capacity = True, low_latency, capacity
         self.split = split_point(qo_bounds) if self.microbatch and qo_bounds is not None else None
+        self.num_tokens = qo_bounds[-1] if qo_bounds is not None else None
         try:
             yield
         finally:
-            self.active, self.split, self.low_latency, self.capacity = False, None, None, None
+            self.active, self.split, self.low_latency, self.capacity, self.num_tokens = False, None, None, None, None
 
     def exchange(self, num_experts: int):
         """The fixed-capacity exchange every layer shares (DeepEP's kernels, or fixed all-to-alls)."""
@@ -167,6 +171,25 @@ class Dispatched:
     num_tokens: int  # T of this half
 
 
+# EP layers by key, for the compiled step's opaque op (`moespec::ep_experts`): a compiled graph
+# holds a layer's key, the op finds the layer here. Weak references: a layer is never kept alive.
+EP_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+LAYER_KEYS = itertools.count()
+
+
+@torch.library.custom_op("moespec::ep_experts", mutates_args=())
+def ep_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int) -> torch.Tensor:
+    """An EP layer inside a compiled step (`model.compile`): opaque to the compiler, so the
+    exchange (collectives, the comm thread, host ints) runs eagerly between compiled graphs,
+    and every layer's call keeps its own key in the graph (no graph break, no per-layer guard)."""
+    return EP_LAYERS[key].run_padded(x, topk_ids, topk_weights)
+
+
+@ep_experts_op.register_fake
+def ep_experts_fake(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class EPExperts(LocalExperts):
     """Routed experts [first, first + L) of this rank; all-to-all over torch.distributed."""
 
@@ -176,12 +199,42 @@ class EPExperts(LocalExperts):
         num_local = num_experts // ctx.ep_size
         super().__init__(num_experts, hidden, intermediate, first=ctx.ep_rank * num_local, num_local=num_local)
         self.runtime, self.top_k = runtime, top_k
+        self.key = next(LAYER_KEYS)
+        EP_LAYERS[self.key] = self
+        self.shared: SharedExperts = None  # set by `bind_shared`; not a submodule (its weights are the MoE's)
+
+    def bind_shared(self, shared: SharedExperts) -> None:
+        """The shared experts of this layer's MoE block, for the compiled step's op."""
+        self.__dict__["shared"] = shared  # a plain reference: nn.Module would register it a second time
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.forward_with_shared(x, topk_ids, topk_weights, None)
 
+    def run_padded(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The compiled step's call: x [T', M] padded past the step's real rows; only the real ones
+        are exchanged (padded rows must not reach other ranks, nor count against the agreed
+        capacity), the padded ones get zeros. Outside a step (compiling at warm-up) nothing is
+        exchanged."""
+        T = self.runtime.num_tokens if self.runtime.active else 0
+        if T is None or T > x.shape[0]:
+            raise ParallelError(f"EP layer in a compiled step: {T} real rows of a batch of {x.shape[0]}")
+        out = x.new_zeros(x.shape)
+        if self.runtime.active:
+            out[:T] = self.forward_eager(x[:T], topk_ids[:T], topk_weights[:T], self.shared)
+        return out
+
     def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                             shared: SharedExperts) -> torch.Tensor:
+        """Routed (+ shared) expert output [T, M]. Inside a compiled step: the opaque op
+        (`ep_experts_op`), which runs `forward_eager` between the compiled graphs."""
+        if torch.compiler.is_compiling():
+            if shared is not self.shared:
+                raise ParallelError("EP layer compiled with shared experts other than those bound to it")
+            return torch.ops.moespec.ep_experts(x, topk_ids, topk_weights, self.key)
+        return self.forward_eager(x, topk_ids, topk_weights, shared)
+
+    def forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      shared: SharedExperts) -> torch.Tensor:
         """Routed (+ shared) expert output [T, M]; the shared experts run where they hide communication."""
         if self.runtime.low_latency:
             return self.forward_low_latency(x, topk_ids, topk_weights, shared)
@@ -335,8 +388,8 @@ class DeepEPExperts(EPExperts):
     run on this project's CPU machines. Under data-parallel attention every rank must pick the
     same mode although its batch is its own: the step's agreed `runtime.low_latency` decides."""
 
-    def forward_with_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            shared: SharedExperts) -> torch.Tensor:
+    def forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      shared: SharedExperts) -> torch.Tensor:
         rows = self.shard_of(slice(0, x.shape[0]))
         low_latency = self.runtime.low_latency
         if low_latency is None:  # no agreement (replicated batches): decide by this rank's share

@@ -32,11 +32,12 @@ SPEC = {
 
 
 def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
-                  num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed", overlap: bool = False):
+                  num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed", overlap: bool = False,
+                  compile: bool = False):
     speculation = dict(SPEC[spec])
     if spec == "draft":
         speculation["draft_model"] = paths["draft"]
-    return build_config({"model": {"path": paths["target"]},
+    return build_config({"model": {"path": paths["target"], "compile": compile, "compile_batch_sizes": [2, 4, 8]},
                          "cache": {"page_size": 4, "num_kv_pages": num_kv_pages},
                          "scheduler": {"max_num_seqs": max_num_seqs, "overlap": overlap},
                          "speculation": speculation,
@@ -73,18 +74,20 @@ def tree_steps(engine) -> int:
     return sum(steps for steps, _ in engine.spec_stats.by_tree.values())
 
 
-def ahead(engine) -> tuple[int, int, int]:
+def step_counts(engine) -> tuple[int, int, int, int]:
     """Overlap: steps agreed while the step before ran, verify steps among them prepared for its
-    longest outcome, and steps prepared again once it was processed."""
+    longest outcome, and steps prepared again once it was processed; model.compile: the static
+    step shapes compiled (target and MTP layer)."""
     s = engine.stats
-    return s.ahead_steps, s.shifted_steps, s.prepared_again
+    statics = [engine.runner.static, getattr(engine.speculator, "static", None)]
+    return s.ahead_steps, s.shifted_steps, s.prepared_again, sum(len(st.shapes) for st in statics if st)
 
 
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
     requests it ran, most requests running at once, accept length, cached prompt tokens per
     request), the others (None, their verify steps, requests they ran, 0, 0.0, None); each also
-    its tree verify steps and `ahead` counts; last, whether the fixed-capacity exchange ran."""
+    its tree verify steps and `step_counts`; last, whether the fixed-capacity exchange ran."""
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
@@ -93,18 +96,21 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
         for s in scenarios:
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
                                    s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"),
-                                   s.get("overlap", False))
+                                   s.get("overlap", False), bool(s.get("compile")))
+            if s.get("compile"):  # "eager": dynamo traces the step (the EP layers as opaque ops), no codegen
+                import moespec.static_step as static_step
+                static_step.COMPILE_BACKEND = s["compile"]
             ranks.runtime.microbatch, ranks.runtime.dp = config.parallel.microbatch, config.parallel.attention == "dp"
             engine = Engine(config, ranks=ranks)
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
                 results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
-                                engine.accept_length, engine.cached_tokens, tree_steps(engine), ahead(engine)))
+                                engine.accept_length, engine.cached_tokens, tree_steps(engine), step_counts(engine)))
             else:
                 engine.serve_forever()
                 results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None,
-                                tree_steps(engine), ahead(engine)))
+                                tree_steps(engine), step_counts(engine)))
         results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
@@ -204,11 +210,29 @@ def test_overlap_across_ranks_matches_one_process(paths):
     ]
     results = check_runs(paths, 2, scenarios)
     for i, s in enumerate(scenarios):
-        counts = [r.value[i][7] for r in results]  # per rank: (ahead, shifted, prepared again)
+        counts = [r.value[i][7] for r in results]  # per rank: (ahead, shifted, prepared again, compiled)
         assert all(c[0] >= 10 for c in counts), (s, counts)  # every rank agreed steps from its helper
         if s["spec"] != "none":
             assert sum(c[1] for c in counts) >= 5, (s, counts)  # verify steps planned ahead and shifted
     assert sum(c[2] for i in range(len(scenarios)) for c in (r.value[i][7] for r in results)) > 0
+
+
+def test_compiled_steps_across_ranks_match_one_process(paths):
+    """model.compile at EP=2: decode, verify and MTP steps run as static steps padded to buckets,
+    each MoE layer an opaque op that exchanges only the real rows (dynamo traces the step; the
+    "eager" backend skips code generation, which test_static_step covers). Greedy output equals
+    one eager process, alone and with overlap scheduling, under both attention layouts."""
+    scenarios = [
+        {"spec": "none", "requests": TOGETHER, "compile": "eager"},
+        {"spec": "mtp2", "requests": STAGGERED, "compile": "eager"},
+        {"spec": "mtp2", "requests": STAGGERED, "compile": "eager", "overlap": True},
+        {"spec": "mtp1", "requests": TOGETHER, "compile": "eager", "attention": "replicated"},
+        {"spec": "draft", "requests": TOGETHER, "compile": "eager", "overlap": True, "microbatch": False},
+    ]
+    results = check_runs(paths, 2, scenarios)
+    for i, s in enumerate(scenarios):
+        compiled = [r.value[i][7][3] for r in results]
+        assert all(compiled), (s, compiled)  # every rank ran static steps
 
 
 def test_dp_kv_capacity_is_the_sum_over_ranks(paths):

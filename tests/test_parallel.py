@@ -204,6 +204,7 @@ def dp_experts_rank(rank: int, microbatch: bool, low_latency: bool | None) -> li
     experts = EPExperts(6, 16, 8, runtime, top_k=2)
     experts.w13.data.copy_(full.w13[experts.first: experts.first + experts.num_local])
     experts.w2.data.copy_(full.w2[experts.first: experts.first + experts.num_local])
+    compiled = torch.compile(lambda *args: experts.forward_with_shared(*args, None), backend="eager", fullgraph=True)
     errors = []
     try:
         for step, T in enumerate(([5, 0, 1], [0, 3, 2], [0, 0, 4])):
@@ -217,6 +218,13 @@ def dp_experts_rank(rank: int, microbatch: bool, low_latency: bool | None) -> li
             with runtime.step(qo.tolist(), low_latency):
                 got = experts.forward_with_shared(x, ids, weights, None)
             errors.append((got - full(x, ids, weights)).abs().max().item() if n else float(got.shape[0]))
+            # as a compiled step runs it: rows padded past the real ones, the layer an opaque op
+            # that exchanges the real rows only and gives the padded ones zeros
+            pad = torch.randn(2, 16, generator=gen), torch.randperm(6, generator=gen)[:4].view(2, 2), torch.rand(2, 2)
+            with runtime.step(qo.tolist(), low_latency):
+                got = compiled(torch.cat([x, pad[0]]), torch.cat([ids, pad[1]]), torch.cat([weights, pad[2]]))
+            errors.append((got[:n] - full(x, ids, weights)).abs().max().item() if n else 0.0)
+            errors.append(got[n:].abs().max().item())
         runtime.join([experts], torch.float32)  # every rank without work: the empty joins pair up
     finally:
         runtime.close()

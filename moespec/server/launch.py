@@ -48,8 +48,9 @@ def serve(config: EngineConfig, host: str | None = None, port: int | None = None
     from moespec.distributed import start_engine
     from moespec.server.app import create_app
 
-    engine = start_engine(config)  # other ranks serve their share of the requests and exit with rank 0
-    engine.warm_up()  # model.compile: every bucket's static steps, before the first request
+    # model.compile: every rank compiles every bucket's static steps before the first request;
+    # other ranks then serve their share of the requests and exit with rank 0
+    engine = start_engine(config, warm_up=True)
     s = config.server
     host, port, api_key = host or s.host, port or s.port, api_key or s.api_key
     app = create_app(engine, config.model.served_model_name, api_key, s)

@@ -269,7 +269,8 @@ class MTPSpeculator(Speculator):
         `static`: as a static step where one applies (catch-ups, rarely uniform, run eager)."""
         static = self.plan_static(batch, target_ctx) if static else None
         if static is not None:
-            out, logits = self.static.forward(static, token_ids, hidden, rows)
+            with self.sync.mtp(batch) if self.sync else contextlib.nullcontext():
+                out, logits = self.static.forward(static, token_ids, hidden, rows)
             return logits, out if rows is None else out[rows]
         out = self.forward(batch, token_ids, hidden, target_ctx)
         if rows is not None:
@@ -279,7 +280,7 @@ class MTPSpeculator(Speculator):
     def plan_static(self, batch: Batch, target_ctx: ForwardContext | None):
         """The static step for a uniform batch (chain steps; the verify re-run takes the target's
         padded plan), or None: run eager."""
-        if self.static is None or self.sync is not None:
+        if self.static is None:
             return None
         if target_ctx is None:
             return self.static.plan(batch)
