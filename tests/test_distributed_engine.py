@@ -199,12 +199,13 @@ def test_overlap_across_ranks_matches_one_process(paths):
     exchanges tokens, and under speculation prepares it for n's longest outcome. Greedy output
     equals one serial process: no speculation, MTP k=1 and k=2 (ranks idle, requests arriving and
     finishing while a step is in flight), adaptive MTP (ranks agreeing on a k that one rank's
-    prepared step did not ask for), draft-target, and replicated attention."""
+    prepared step did not ask for), MTP draft trees, draft-target, and replicated attention."""
     scenarios = [
         {"spec": "none", "requests": STAGGERED, "overlap": True},
         {"spec": "mtp1", "requests": STAGGERED, "overlap": True},
         {"spec": "mtp2", "requests": STAGGERED, "overlap": True},
         {"spec": "mtp2-adaptive", "requests": STAGGERED, "overlap": True},
+        {"spec": "mtp-tree", "requests": STAGGERED, "overlap": True},
         {"spec": "draft", "requests": TOGETHER, "overlap": True},
         {"spec": "mtp2", "requests": TOGETHER, "attention": "replicated", "overlap": True},
     ]
