@@ -278,13 +278,14 @@ def test_engine_refuses_ep_without_ranks(paths):
         Engine(engine_config(paths, 2, "mtp2"))
 
 
-def idle_rank_main(rank: int, paths: dict, idle_s: float):
+def idle_rank_main(rank: int, paths: dict, idle_s: float, overlap: bool):
     """Rank 0 sits idle (as a server between requests) for longer than the collective timeout,
     keeping the other ranks alive with empty steps, then serves."""
     import time
     from moespec.distributed import start_engine
     config = build_config({"model": {"path": paths["target"]}, "cache": {"page_size": 4, "num_kv_pages": 128},
-                           "speculation": SPEC["mtp2"], "parallel": {"ep_size": 2, "timeout_s": 2}})
+                           "speculation": SPEC["mtp2"], "scheduler": {"overlap": overlap},
+                           "parallel": {"ep_size": 2, "timeout_s": 2}})
     engine = start_engine(config)  # rank 1 serves inside and exits
     try:
         deadline = time.monotonic() + idle_s
@@ -296,8 +297,9 @@ def idle_rank_main(rank: int, paths: dict, idle_s: float):
         engine.close()
 
 
-def test_idle_rank0_keeps_the_others(paths):
-    results = run_ranks(idle_rank_main, 2, paths, 5.0, timeout_s=120)
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_idle_rank0_keeps_the_others(paths, overlap):
+    results = run_ranks(idle_rank_main, 2, paths, 5.0, overlap, timeout_s=120)
     assert results[0].error is None, results[0].error
     assert results[1].exitcode == 0, results[1].error
     assert results[0].value[0] == expected_outputs(paths, {"spec": "mtp2", "requests": TOGETHER})
