@@ -13,9 +13,10 @@ Two local ranks (processes, gloo) run both settings on the same process group, t
 requests at once (greedy, ignore_eos) to rank 0, which places them (dp: over both ranks;
 replicated: on both). Decode tokens/s = tokens generated after every request has its first token
 / time from then until the last finishes. The first round of each layout is a warm-up and is not
-counted; the median of the rest is reported. With `--compare overlap`, rank 0's decode and
-verify steps also report the share of their host + device time that ran beside the device
-(`hidden`: the next step scheduled, agreed with the other rank, packed and planned meanwhile).
+counted; the median of the rest is reported. Each setting also reports the share of rank 0's
+decode and verify steps' host + device time that ran beside the device (`host_hidden_share`, as
+`moespec bench` does: under overlap, the next step scheduled, agreed, packed and planned
+meanwhile; 0 without).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import statistics
 import time
 from datetime import date
 
+from moespec.bench import step_times
 from moespec.config import load_config
 from moespec.parallel.local_launch import run_ranks
 
@@ -48,14 +50,10 @@ def engine_config(setting: dict, spec: str, args: argparse.Namespace):
                                 "parallel.microbatch": args.microbatch, "parallel.timeout_s": 120})
 
 
-def hidden_share(stats) -> dict:
-    """Share of decode and verify steps' host + device time that ran beside the device."""
-    out = {}
-    for kind in ("decode", "spec"):
-        busy = getattr(stats, f"{kind}_host_s") + getattr(stats, f"{kind}_device_s")
-        if getattr(stats, f"{kind}_steps"):
-            out[kind] = 1.0 - getattr(stats, f"{kind}_wall_s") / busy
-    return out
+def host_hidden_share(stats) -> float:
+    """Share of the decode and verify steps' host + device time that ran beside the device."""
+    _, busy, wall = step_times(stats)
+    return (busy - wall) / busy if busy else 0.0
 
 
 def run_once(engine, args: argparse.Namespace) -> dict:
@@ -72,7 +70,7 @@ def run_once(engine, args: argparse.Namespace) -> dict:
     steps = sum(s.metrics.num_spec_steps for s in seqs)
     accept = (sum(s.metrics.num_accepted_tokens for s in seqs) + steps) / steps if steps else None
     return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens, "accept_length": accept,
-            "hidden": hidden_share(engine.stats)}
+            "host_hidden_share": host_hidden_share(engine.stats)}
 
 
 def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
@@ -110,8 +108,7 @@ def summarize(runs: dict[str, list[dict]], compare: str) -> dict:
         rates = [v["decode_tokens_per_s"] for v in values]
         out[key] = {"median_decode_tokens_per_s": statistics.median(rates), "runs": rates,
                     "accept_length": values[-1]["accept_length"],
-                    "hidden": {kind: statistics.median(v["hidden"][kind] for v in values)
-                               for kind in values[-1]["hidden"]}}
+                    "host_hidden_share": statistics.median(v["host_hidden_share"] for v in values)}
     (a, _), (b, _) = SETTINGS[compare]
     for spec in {key.split("/")[0] for key in runs}:
         out[f"{spec}/{a}_over_{b}"] = (out[f"{spec}/{a}"]["median_decode_tokens_per_s"]

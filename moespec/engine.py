@@ -209,6 +209,11 @@ class Engine:
         self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp,
                                keys=self.scheduler.keys)
 
+    @property
+    def mtp_in_lockstep(self) -> bool:
+        """The built-in MTP layer's forwards run on every rank (its MoE layers exchange tokens)."""
+        return getattr(self.speculator, "sync", None) is not None
+
     def stop_ranks(self) -> None:
         """Rank 0: end every rank's loop (`serve_forever` returns there)."""
         if self.cluster is not None and self.cluster.front and not self.stopped:
@@ -538,7 +543,7 @@ class Engine:
             scheduled = self.schedule(can_preempt=previous is None or not self.speculator.max_tokens)
         if scheduled is None or (not scheduled.chunks and self.lockstep is None):
             return None
-        if previous is not None and not extra and getattr(self.speculator, "sync", None) is not None:
+        if previous is not None and not extra and self.mtp_in_lockstep:
             self.phase = "wait for the step before's target forward"
             previous.observed.wait()  # its MTP bookkeeping (held hidden states) decides this report
         self.phase = "agree on the step with the other ranks"
@@ -677,7 +682,7 @@ class Engine:
         k_wish, room, lags = -1, 0, False
         # MTP forwards across ranks; after a verify step (extra) the MTP re-run has left every
         # request caught up with no hidden states held (and its state is being written meanwhile)
-        synced_mtp = getattr(spec, "sync", None) is not None and not extra
+        synced_mtp = self.mtp_in_lockstep and not extra
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
             lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
