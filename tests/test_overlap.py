@@ -104,7 +104,8 @@ def test_stop_strings_and_eos_end_a_request_one_step_early(path, spec):
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
               SamplingParams(temperature=0.0, max_tokens=40)]  # stops at EOS, if it samples one
     ref, _ = generate(path, ["def main():", "import os"], params, page_size=8, speculation=spec)
-    got, _ = generate(path, ["def main():", "import os"], params, page_size=8, overlap=True, speculation=spec)
+    got, llm = generate(path, ["def main():", "import os"], params, page_size=8, overlap=True, speculation=spec)
+    assert llm.engine.stats.ahead_steps > 0 and (llm.engine.stats.shifted_steps > 0) == (spec is not None)
     assert got[0].finish_reason == "stop" and got[0].text == text[: text.index(stop)]
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason)
                                                                        for o in ref]
@@ -212,11 +213,11 @@ def test_speculation_overlapped_under_preemption_and_compiled(deepseek_mtp, monk
     batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ref, _ = generate(deepseek_mtp, batch, params, max_num_seqs=8, speculation=spec)
-    got, _ = generate(deepseek_mtp, batch, params, overlap=True, num_kv_pages=16, max_num_batched_tokens=32,
-                      max_num_seqs=8, speculation=spec)
-    assert sum(o.metrics.num_preemptions for o in got) > 0
+    got, llm = generate(deepseek_mtp, batch, params, overlap=True, num_kv_pages=16, max_num_batched_tokens=32,
+                        max_num_seqs=8, speculation=spec)
+    assert sum(o.metrics.num_preemptions for o in got) > 0 and llm.engine.stats.shifted_steps > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     got, llm = generate(deepseek_mtp, batch, params, overlap=True, compile=True, speculation=spec)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref] and llm.engine.stats.shifted_steps > 0
     assert any(Q == 3 * B for B, Q, _ in llm.engine.runner.static.shapes)  # verify steps ran static
     torch._dynamo.reset()

@@ -429,7 +429,7 @@ def test_overlap_scheduling_under_speculation_serves_streams_and_aborts(tmp_path
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         got = client.completions.create(model=MODEL, prompt="def main():", max_tokens=20, temperature=0.0)
         running.wait_idle()
-        assert engine.stats.spec_steps > 0
+        assert engine.stats.spec_steps > 0 and engine.stats.shifted_steps > 0  # verify steps planned ahead
     serial = Engine(build_config({}, options))
     ref = serial.add_request(serial.encode("def main():"), SamplingParams(temperature=0.0, max_tokens=20))
     while serial.has_unfinished():

@@ -78,8 +78,9 @@ def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     ref, _ = generate(deepseek_mtp, None, batch, params, max_model_len=40)
     spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-    got, _ = generate(deepseek_mtp, spec, batch, params, num_kv_pages=18, max_num_batched_tokens=32, max_model_len=40,
-                      overlap=overlap)
+    got, llm = generate(deepseek_mtp, spec, batch, params, num_kv_pages=18, max_num_batched_tokens=32,
+                        max_model_len=40, overlap=overlap)
+    assert (llm.engine.stats.shifted_steps > 0) == overlap  # verify steps planned ahead, shifted back
     assert sum(o.metrics.num_preemptions for o in got) > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert any(o.finish_reason == "length" and len(o.prompt_token_ids) + len(o.token_ids) == 40 for o in got)
@@ -89,8 +90,9 @@ def test_speculation_under_preemption_stops_and_max_len(deepseek_mtp, llama_pair
     stop_id = free[0].token_ids[6]
     stop = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     ref, _ = generate(target, None, batch[:1], stop)
-    got, _ = generate(target, {"mode": "draft", "draft_model": target, "num_speculative_tokens": 4,
-                               "adaptive": False}, batch[:1], stop, overlap=overlap)
+    got, llm = generate(target, {"mode": "draft", "draft_model": target, "num_speculative_tokens": 4,
+                                 "adaptive": False}, batch[:1], stop, overlap=overlap)
+    assert (llm.engine.stats.shifted_steps > 0) == overlap
     assert got[0].token_ids == ref[0].token_ids and got[0].token_ids[-1] == stop_id
     assert got[0].finish_reason == "stop"
 
