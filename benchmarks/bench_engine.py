@@ -1,10 +1,12 @@
 """Decode throughput of the engine (no speculation) against transformers' `generate` on the
 same checkpoint, side by side in one run, greedy, float32; with --compile, also the engine
 with static steps compiled (model.compile), compiled before measuring (compile_s); with
---overlap, also each of them with overlap scheduling (scheduler.overlap).
+--overlap, also each of them with overlap scheduling (scheduler.overlap); with --unpacked, also
+each of them with model.pack_linears off (linears through F.linear, MKL, instead of oneDNN over
+packed weights).
 
   .venv/bin/python benchmarks/bench_engine.py --model checkpoints/tiny-deepseek-v3 \
-      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--compile] [--overlap] [--profile] [--out docs/bench-engine.json]
+      --batch-sizes 1 16 --prompt-len 32 --max-tokens 64 [--compile] [--overlap] [--unpacked] [--profile] [--out docs/bench-engine.json]
 
 Every side generates `max-tokens` tokens for the same prompts, after the same warm-up; the sides
 take turns in each repeat and each reports the median, its speedup the median of the per-repeat
@@ -82,6 +84,8 @@ def main() -> None:
                         help="also the engine with model.compile (static steps through torch.compile)")
     parser.add_argument("--overlap", action="store_true",
                         help="also every engine with scheduler.overlap (the host prepares the next step meanwhile)")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also every engine with model.pack_linears off (F.linear through MKL)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the engine at the last batch size")
     parser.add_argument("--out", default=None, help="write results as JSON")
@@ -96,6 +100,8 @@ def main() -> None:
     if args.overlap:
         variants.update({f"{name}+overlap" if name != "eager" else "overlap": {**opts, "overlap": True}
                          for name, opts in list(variants.items())})
+    if args.unpacked:
+        variants.update({f"{name}-unpacked": {**opts, "pack_linears": False} for name, opts in list(variants.items())})
     engines = {name: LLM(**options, **opts) for name, opts in variants.items()}
     compile_s = {name: round(llm.engine.warm_up(), 1) for name, llm in engines.items()}
     print(json.dumps({"compile_s": compile_s}), flush=True)
@@ -122,6 +128,9 @@ def main() -> None:
             if name != "eager":
                 row[f"{name}_over_eager"] = round(statistics.median(
                     e / c for e, c in zip(seconds["eager"], seconds[name])), 2)
+            if f"{name}-unpacked" in engines:
+                row[f"{name}_over_unpacked"] = round(statistics.median(
+                    u / p for u, p in zip(seconds[f"{name}-unpacked"], seconds[name])), 2)
         results.append(row)
         print(json.dumps(row), flush=True)
     llm = engines["eager"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moespec.models.fp8 import BLOCK, batched_fp8_linear, expert_linear, grouped_linear, scale_shape
-from moespec.models.layers import linear
+from moespec.models.layers import PackedWeight, linear, packable
 from moespec.models.weights import WeightError
 
 EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
@@ -37,6 +37,7 @@ class LocalExperts(nn.Module):
     # dense path made a 1-token forward 1.07x, a 2-token verify 1.19x and 4 requests x 2 tokens
     # 1.09x faster, tied at 8 and 12 tokens and lost 2-3% from 16 (7% at 32, 21% at 64).
     dense_pairs_per_expert = 2
+    packed: tuple[PackedWeight, PackedWeight] | None = None  # pack(): w13 [E*2I, M], w2 as [M, E*I]
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0,
                  num_local: int | None = None) -> None:
@@ -107,12 +108,24 @@ class LocalExperts(nn.Module):
             return self.forward_dense(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
 
+    def pack(self) -> bool:
+        """Keep both projections also packed for oneDNN (layers.PackedWeight), as two linears over
+        every local expert: w13 [E*2I, M] and w2 side by side [M, E*I]. The dense path runs them."""
+        if self.w13_scale_inv is not None or not packable(self.w13):
+            return False
+        E, I, M = self.num_local, self.intermediate, self.w13.shape[2]
+        self.packed = (PackedWeight(self.w13, lambda w: w.reshape(E * 2 * I, M)),
+                       PackedWeight(self.w2, lambda w: w.permute(1, 0, 2).reshape(M, E * I)))
+        return True
+
     def forward_dense(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Every local expert over every token in two batched matmuls that read the stacked
         weights in place, then each token's chosen outputs picked and weighted: a fixed number of
         calls, however many experts are hit."""
         T, M = x.shape
         E, I = self.num_local, self.intermediate
+        if self.packed is not None and self.packed[0].applies(x):
+            return self.forward_packed(x, topk_ids, topk_weights)
         gate_up = linear(x, self.w13.view(E * 2 * I, M), pad_single_row=self.pad_single_row)  # [T, E*2I]
         gate, up = gate_up.view(T, E, 2, I).unbind(2)  # [T, E, I] each
         act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
@@ -120,6 +133,15 @@ class LocalExperts(nn.Module):
         picks = (topk_ids - self.first).t()[:, :, None].expand(-1, -1, M)  # [A, T, M]
         chosen = outs.gather(0, picks)  # [A, T, M]
         return (chosen * topk_weights.t()[:, :, None]).sum(0)  # [T, M]
+
+    def forward_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The dense path as two linears over the packed weights: each token's gate weights
+        scale its experts' activations before the down projection sums over the experts."""
+        T, E, I = x.shape[0], self.num_local, self.intermediate
+        gate, up = self.packed[0](x).view(T, E, 2, I).unbind(2)  # [T, E, I] each
+        gates = x.new_zeros(T, E).scatter_add_(1, topk_ids - self.first, topk_weights.to(x.dtype))  # [T, E]
+        act = F.silu(gate) * up * gates[:, :, None]  # [T, E, I]
+        return self.packed[1](act.reshape(T, E * I))  # [T, M]
 
     def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Sort the (token, slot) pairs by expert and run the two projections as grouped GEMMs,

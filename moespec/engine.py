@@ -165,7 +165,7 @@ class Engine:
         self.allocator = PageAllocator(c.cache.num_kv_pages, c.cache.page_size)
         self.max_model_len = self.resolve_max_model_len()
         self.runner = ModelRunner(self.model, c.cache.num_kv_pages, c.cache.page_size, c.model.attention_backend,
-                                  c.model.device, compile_buckets=compile_buckets(c))
+                                  c.model.device, compile_buckets=compile_buckets(c), pack=c.model.pack_linears)
         self.speculator = create_speculator(c, self.model, self.runner)
         self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len, self.page_keys(), self.speculator)
         self.lockstep: Lockstep | None = None

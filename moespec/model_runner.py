@@ -18,7 +18,7 @@ from torch import nn
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
-from moespec.models.layers import reserve_rope_positions
+from moespec.models.layers import can_pack_linears, pack_linears, reserve_rope_positions
 from moespec.static_step import StaticSteps, model_step
 
 
@@ -47,12 +47,13 @@ def set_single_row_padding(model: nn.Module, pad: bool) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, num_pages: int, page_size: int, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", weights_stream: bool | None = None,
-                 compile_buckets: tuple[int, ...] = ()) -> None:
+                 compile_buckets: tuple[int, ...] = (), pack: bool = False) -> None:
         """`weights_stream`: whether the weights are read from memory at each forward rather than
         from cache; None decides by size (larger than the last-level cache). A draft model runs
         between target forwards that evict it, so its speculator passes True. `compile_buckets`:
         batch sizes that uniform batches are padded to and run compiled (moespec.static_step);
-        the cache then has one more page, the padded requests' scratch page."""
+        the cache then has one more page, the padded requests' scratch page. `pack`: on the CPU,
+        linears run over weights packed for oneDNN (layers.Linear.pack, model.pack_linears)."""
         self.model = model
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -66,6 +67,8 @@ class ModelRunner:
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()
         set_single_row_padding(model, self.device.type == "cpu" and weights_stream)
+        if pack and can_pack_linears(self.device):
+            pack_linears(model)
 
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan). A batch that

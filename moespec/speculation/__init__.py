@@ -32,7 +32,8 @@ def create_mode(config: EngineConfig, target, target_runner) -> Speculator:
         raise ValueError(f"draft.model vocab_size {draft.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}; draft and target must share a tokenizer")
     return DraftModelSpeculator(draft, spec.num_speculative_tokens, cache.num_kv_pages, cache.page_size,
-                                config.model.attention_backend, config.model.device, compile_buckets(config))
+                                config.model.attention_backend, config.model.device, compile_buckets(config),
+                                config.model.pack_linears)
 
 
 def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
@@ -43,12 +44,14 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
     dtype = next(target.parameters()).dtype
     if spec.mtp_head:
         from moespec.model_runner import set_single_row_padding
-        from moespec.models.layers import reserve_rope_positions
+        from moespec.models.layers import can_pack_linears, pack_linears, reserve_rope_positions
         from moespec.models.mtp_head import load_mtp_head
 
         mtp = load_mtp_head(target, spec.mtp_head, dtype)
         reserve_rope_positions(mtp, cache.num_kv_pages * cache.page_size)
         set_single_row_padding(mtp.head, True)  # as for a draft model: target forwards evict its weights
+        if config.model.pack_linears and can_pack_linears(config.model.device):
+            pack_linears(mtp.head)
         scratch = 1 if compile_buckets(config) else 0  # static steps' scratch page
         caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages + scratch, cache.page_size, dtype,
                          config.model.device).layers
