@@ -13,6 +13,12 @@ $PY benchmarks/bench_engine.py --model checkpoints/tiny-deepseek-v3 --batch-size
     --out docs/bench/engine-tiny-deepseek-v3.json
 $PY benchmarks/bench_engine.py --model checkpoints/tiny-llama --batch-sizes 1 16 --threads "$THREADS" \
     --out docs/bench/engine-tiny-llama.json
+$PY benchmarks/bench_linear.py --threads "$THREADS" --out docs/bench/linear.json
+# packed linears (model.pack_linears) on and off, eager and compiled
+for m in tiny-llama tiny-deepseek-v3; do
+    $PY benchmarks/bench_engine.py --model checkpoints/$m --batch-sizes 1 16 --compile --unpacked --repeats 5 \
+        --threads "$THREADS" --out docs/bench/engine-$m-packed.json
+done
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3 \
     --batch-sizes 1,4,16 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3.json
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2,draft:3,draft:4,mtp:1,mtp:2,mtp:3 \
