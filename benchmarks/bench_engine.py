@@ -1,5 +1,5 @@
 """Decode throughput of the engine (no speculation) against transformers' `generate` on the
-same checkpoint, side by side in one run, greedy, float32; with --compile, also the engine
+same checkpoint, side by side in one run, greedy, float32 (--dtype); with --compile, also the engine
 with static steps compiled (model.compile), compiled before measuring (compile_s); with
 --overlap, also each of them with overlap scheduling (scheduler.overlap); with --unpacked, also
 each of them with model.pack_linears off (linears through F.linear, MKL, instead of oneDNN over
@@ -86,14 +86,15 @@ def main() -> None:
                         help="also every engine with scheduler.overlap (the host prepares the next step meanwhile)")
     parser.add_argument("--unpacked", action="store_true",
                         help="also every engine with model.pack_linears off (F.linear through MKL)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every side's dtype")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the engine at the last batch size")
     parser.add_argument("--out", default=None, help="write results as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    options = dict(model=args.model, dtype="float32", page_size=16, num_kv_pages=512, max_num_seqs=max(args.batch_sizes))
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    options = dict(model=args.model, dtype=args.dtype, page_size=16, num_kv_pages=512, max_num_seqs=max(args.batch_sizes))
     variants = {"eager": {}}
     if args.compile:  # static steps at exactly the measured batch sizes, compiled before measuring
         variants["compiled"] = {"compile": True, "compile_batch_sizes": args.batch_sizes}
@@ -138,7 +139,7 @@ def main() -> None:
         print(profile_decode(llm, make_prompts(args.batch_sizes[-1], args.prompt_len, vocab), args.max_tokens))
     if args.out:
         report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-                  "torch": torch.__version__, "model": args.model, "prompt_len": args.prompt_len,
+                  "torch": torch.__version__, "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
                   "max_tokens": args.max_tokens, "repeats": args.repeats, "statistic": "median of interleaved repeats",
                   "compile_s": compile_s, "results": results}
         with open(args.out, "w") as f:

@@ -18,6 +18,8 @@ $PY benchmarks/bench_linear.py --threads "$THREADS" --out docs/bench/linear.json
 for m in tiny-llama tiny-deepseek-v3; do
     $PY benchmarks/bench_engine.py --model checkpoints/$m --batch-sizes 1 16 --compile --unpacked --repeats 5 \
         --threads "$THREADS" --out docs/bench/engine-$m-packed.json
+    $PY benchmarks/bench_engine.py --model checkpoints/$m --dtype bfloat16 --batch-sizes 1 16 --unpacked --repeats 3 \
+        --threads "$THREADS" --out docs/bench/engine-$m-bf16-packed.json
 done
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --modes none,mtp:1,mtp:2,mtp:3 \
     --batch-sizes 1,4,16 --threads "$THREADS" --out docs/bench/spec-tiny-deepseek-v3.json

@@ -57,8 +57,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 PACKED_WEIGHTS: "weakref.WeakValueDictionary[int, PackedWeight]" = weakref.WeakValueDictionary()  # by key
 PACK_KEYS = itertools.count()
 PACK_ROWS_HINT = 16  # oneDNN picks its weight layout for about this many rows; any count runs
+# float32 only (bfloat16's F.linear is oneDNN's too, unpacked: packed wins at every size and row count):
 PACKED_MIN_ROWS = 8  # fewer rows run unpacked: there the weights' bytes bound both (measured in the engine)
-PACKED_MIN_ELEMENTS = 1 << 16  # smaller weights stay unpacked: oneDNN's ~15 µs a call loses to F.linear
+PACKED_MIN_ELEMENTS = 1 << 16  # smaller weights stay unpacked: oneDNN's ~15 µs a call loses to MKL's
 
 
 def can_pack_linears(device: torch.device | str) -> bool:
@@ -67,8 +68,9 @@ def can_pack_linears(device: torch.device | str) -> bool:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and weight.numel() >= PACKED_MIN_ELEMENTS)
+    if weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() >= PACKED_MIN_ELEMENTS)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -78,10 +80,10 @@ def tensor_version(t: torch.Tensor) -> int:
 
 class PackedWeight:
     """A weight [out, in], `arrange(source)`, reordered once into oneDNN's blocked layout; calling
-    it runs oneDNN's linear over that copy: 1.3-3.5x faster than F.linear through MKL for 3-256
-    rows on this project's CPU (`benchmarks/bench_linear.py`), at the cost of a second copy of
-    the weight. A source changed in place is packed again before the next eager call; compiled
-    steps read the copy as it is."""
+    it runs oneDNN's linear over that copy: for 5-16 rows 1.3-3.4x faster than float32 F.linear
+    (MKL) on weights of 768 x 256 and up in `benchmarks/bench_linear.py` (docs/benchmarks.md,
+    "Packed linears"), at the cost of a second copy of the weight. A source changed in place is
+    packed again before the next eager call; compiled steps read the copy as it is."""
 
     def __init__(self, source: torch.Tensor, arrange=lambda w: w) -> None:
         self.source, self.arrange = source, arrange
@@ -97,9 +99,10 @@ class PackedWeight:
         self.version = tensor_version(self.source)
 
     def applies(self, x: torch.Tensor) -> bool:
-        """Whether x [..., in] runs packed: enough rows, no autograd, the weight's dtype."""
-        return (x.numel() >= PACKED_MIN_ROWS * x.shape[-1] and not torch.is_grad_enabled()
-                and x.dtype == self.source.dtype)
+        """Whether x [..., in] runs packed: no autograd, the weight's dtype, enough rows in float32."""
+        if torch.is_grad_enabled() or x.dtype != self.source.dtype:
+            return False
+        return x.dtype != torch.float32 or x.numel() >= PACKED_MIN_ROWS * x.shape[-1]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -140,8 +143,8 @@ class Linear(nn.Linear):
     ceil(in/128)], as DeepSeek's checkpoints store them; forward then runs the block-scaled FP8
     GEMM (models.fp8). Otherwise weights are in the model dtype.
 
-    `pack()` (CPU, float32 or bfloat16, 64Ki elements or more) keeps the weight also as a
-    PackedWeight, which forwards of 8 rows or more without autograd run through.
+    `pack()` (CPU: bfloat16, or float32 of 64Ki elements or more) keeps the weight also as a
+    PackedWeight, which forwards without autograd run through (float32: of 8 rows or more).
     """
 
     pad_single_row = False  # see `linear`; set by the model runner for models that stream weights

@@ -59,8 +59,19 @@ def test_few_rows_autograd_and_small_weights_run_unpacked(packed_calls):
     layer(x).sum().backward()  # autograd: the parameter, never the packed copy
     assert layer.weight.grad is not None and x.grad is not None
     assert packed_calls == []
-    assert not make_linear(255, 256).pack()  # under 64Ki elements: F.linear is faster
+    assert not make_linear(255, 256).pack()  # float32 under 64Ki elements: MKL's F.linear is faster
     assert not Linear(256, 512).to(torch.float64).pack()
+
+
+def test_bfloat16_packs_every_size_and_row_count(packed_calls):
+    """bfloat16's F.linear is oneDNN's too, reordering the weight each call: packed wins throughout."""
+    layer = make_linear(64, 32, dtype=torch.bfloat16)
+    assert layer.pack()
+    x = torch.randn(1, 32).bfloat16()
+    with torch.inference_mode():
+        out = layer(x)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=2e-2)
+    assert packed_calls == [(1, 32)]
 
 
 def test_weight_changed_in_place_is_packed_again(packed_calls):
