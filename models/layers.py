@@ -67,8 +67,10 @@ def can_pack_linears(device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def packable(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu":
+def packable(weight: torch.Tensor, device_type: str | None = None) -> bool:
+    """Whether `weight` gets a packed copy; `device_type` in place of its own device's (a model
+    built on the meta device, sized by moespec.plan)."""
+    if (device_type or weight.device.type) != "cpu":
         return False
     return weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() >= PACKED_MIN_ELEMENTS)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from moespec import LLM
 from moespec.config import ConfigError, build_config, load_config
 from moespec.plan import GiB, parse_bytes, plan_memory
 
@@ -115,3 +116,23 @@ def test_a_deployment_that_does_not_fit_is_refused_before_reading_weights(tiny_d
     with pytest.raises(ConfigError, match=r"weights \(float32\) .* crosses the budget"):
         Engine(tiny_budget)
     assert opened == []
+
+
+def test_plan_counts_the_packed_copy_of_cpu_linears():
+    """model.pack_linears on the CPU: the plan's "packed weights" equal what the engine packs."""
+    from moespec.models.layers import PackedWeight, can_pack_linears
+    if not can_pack_linears("cpu"):
+        pytest.skip("this torch has no oneDNN")
+    tiny_llama = str(ROOT / "checkpoints" / "tiny-llama")
+    options = {"model": tiny_llama, "page_size": 16, "num_kv_pages": 64}
+    plan = plan_memory(build_config({}, options))
+    packed = {c.name: c.bytes for c in plan.components}.get("packed weights")
+    engine = LLM(**options).engine
+    made = [v for m in engine.model.modules() for v in vars(m).values() if isinstance(v, PackedWeight)]
+    assert made and packed == sum(p.source.numel() * p.source.element_size() for p in made)
+    unpacked = plan_memory(build_config({}, {**options, "pack_linears": False}))
+    assert "packed weights" not in {c.name for c in unpacked.components}
+    assert unpacked.fixed_bytes == plan.fixed_bytes - packed
+    # bfloat16 linears are packed at any size: DeepSeek-V3 on the CPU (its FP8 matrices are not)
+    cpu = plan_memory(deepseek_config(**{"model.device": "cpu", "parallel.ep_size": 16}), H200)
+    assert {c.name: c.bytes for c in cpu.components}["packed weights"] > 2 * GiB
