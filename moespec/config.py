@@ -37,8 +37,8 @@ class ModelSection:
     # run through torch.compile (moespec.static_step); each bucket compiles on first use
     compile: bool = False
     compile_batch_sizes: list[int] | None = None  # the buckets; default 1, 2, 4, 8, 16, 24, ... max_num_seqs
-    # CPU only: linear layers run oneDNN's GEMM over weights reordered once at start-up (a second
-    # copy of them), 2-3.5x faster than MKL's F.linear here (docs/benchmarks.md, "Packed linears")
+    # CPU only: linear layers and routed experts run oneDNN's GEMM over a second copy of their
+    # weights, reordered once at start-up (docs/benchmarks.md, "Packed linears")
     pack_linears: bool = True
 
 
