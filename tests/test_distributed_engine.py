@@ -88,12 +88,15 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     requests it ran, most requests running at once, accept length, cached prompt tokens per
     request), the others (None, their verify steps, requests they ran, 0, 0.0, None); each also
     its tree verify steps and `step_counts`; last, whether the fixed-capacity exchange ran."""
+    import moespec.models.layers as layers
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
     ranks = join_ranks(engine_config(paths, ep_size, "none"))
-    results = []
+    results, size_floor = [], layers.PACKED_MIN_ELEMENTS
     try:
         for s in scenarios:
+            # "pack_all": every linear and expert layer of the tiny model packed for oneDNN
+            layers.PACKED_MIN_ELEMENTS = 0 if s.get("pack_all") else size_floor
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
                                    s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"),
                                    s.get("overlap", False), bool(s.get("compile")))
@@ -162,7 +165,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
 
 def test_dp_attention_ep2_matches_one_process(paths):
     """EP=2, data-parallel attention: no speculation, MTP k=1 (microbatched or not), k=2 and
-    draft-target; staggered arrivals, ranks left idle, and a single request."""
+    draft-target; staggered arrivals, ranks left idle, and a single request; packed linears."""
     check_runs(paths, 2, [
         {"spec": "none", "requests": STAGGERED},
         {"spec": "mtp1", "requests": STAGGERED},
@@ -173,6 +176,9 @@ def test_dp_attention_ep2_matches_one_process(paths):
         {"spec": "draft", "requests": STAGGERED},
         {"spec": "mtp2-adaptive", "requests": STAGGERED},
         {"spec": "mtp-tree", "requests": STAGGERED},
+        # packed linears (model.pack_linears) on every layer of the ranks, against one unpacked process
+        {"spec": "none", "requests": TOGETHER, "exchange": "uneven", "pack_all": True},
+        {"spec": "mtp2", "requests": STAGGERED, "pack_all": True},
     ])
 
 
