@@ -28,7 +28,7 @@ import statistics
 import time
 from datetime import date
 
-from moespec.bench import step_times
+from moespec.bench import hidden_share, step_times
 from moespec.config import load_config
 from moespec.parallel.local_launch import run_ranks
 
@@ -50,12 +50,6 @@ def engine_config(setting: dict, spec: str, args: argparse.Namespace):
                                 "parallel.microbatch": args.microbatch, "parallel.timeout_s": 120})
 
 
-def host_hidden_share(stats) -> float:
-    """Share of the decode and verify steps' host + device time that ran beside the device."""
-    _, busy, wall = step_times(stats)
-    return (busy - wall) / busy if busy else 0.0
-
-
 def run_once(engine, args: argparse.Namespace) -> dict:
     from moespec.sampling import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -70,7 +64,7 @@ def run_once(engine, args: argparse.Namespace) -> dict:
     steps = sum(s.metrics.num_spec_steps for s in seqs)
     accept = (sum(s.metrics.num_accepted_tokens for s in seqs) + steps) / steps if steps else None
     return {"decode_tokens_per_s": tokens / seconds, "decode_s": seconds, "tokens": tokens, "accept_length": accept,
-            "host_hidden_share": host_hidden_share(engine.stats)}
+            "host_hidden_share": hidden_share(*step_times(engine.stats)[1:])}
 
 
 def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:

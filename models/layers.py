@@ -54,23 +54,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-PACKED_WEIGHTS: "weakref.WeakValueDictionary[int, PackedWeight]" = weakref.WeakValueDictionary()  # by key
-PACK_KEYS = itertools.count()
+class OpObjects:
+    """Objects an opaque op of a compiled graph finds by the int key the graph holds
+    (`moespec::packed_linear`, `moespec::ep_experts`); weakly held, never kept alive."""
+
+    def __init__(self) -> None:
+        self.objects: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.keys = itertools.count()
+
+    def add(self, obj) -> int:
+        key = next(self.keys)
+        self.objects[key] = obj
+        return key
+
+    def __getitem__(self, key: int):
+        return self.objects[key]
+
+
+OP_OBJECTS = OpObjects()
 PACK_ROWS_HINT = 16  # oneDNN picks its weight layout for about this many rows; any count runs
 # float32 only (bfloat16's F.linear is oneDNN's too, unpacked: packed wins at every size and row count):
 PACKED_MIN_ROWS = 8  # fewer rows run unpacked: there the weights' bytes bound both (measured in the engine)
 PACKED_MIN_ELEMENTS = 1 << 16  # smaller weights stay unpacked: oneDNN's ~15 µs a call loses to MKL's
 
 
-def can_pack_linears(device: torch.device | str) -> bool:
-    """Whether this torch has oneDNN's linear over a weight reordered once (CPU only)."""
-    return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-
-
 def packable(weight: torch.Tensor, device_type: str | None = None) -> bool:
-    """Whether `weight` gets a packed copy; `device_type` in place of its own device's (a model
-    built on the meta device, sized by moespec.plan)."""
-    if (device_type or weight.device.type) != "cpu":
+    """Whether `weight` gets a packed copy: on the CPU with oneDNN; `device_type` in place of its
+    own device's (a model built on the meta device, sized by moespec.plan)."""
+    if (device_type or weight.device.type) != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() >= PACKED_MIN_ELEMENTS)
 
@@ -89,8 +100,7 @@ class PackedWeight:
 
     def __init__(self, source: torch.Tensor, arrange=lambda w: w) -> None:
         self.source, self.arrange = source, arrange
-        self.key = next(PACK_KEYS)
-        PACKED_WEIGHTS[self.key] = self
+        self.key = OP_OBJECTS.add(self)
         self.repack()
 
     def repack(self) -> None:
@@ -129,7 +139,7 @@ PACKED_LINEAR_LIB.define("packed_linear(Tensor x, Tensor? bias, int key, int out
 
 @torch.library.impl(PACKED_LINEAR_LIB, "packed_linear", "CPU")
 def packed_linear_cpu(x: torch.Tensor, bias: torch.Tensor | None, key: int, out_features: int) -> torch.Tensor:
-    return run_packed(x, PACKED_WEIGHTS[key].packed, bias)
+    return run_packed(x, OP_OBJECTS[key].packed, bias)
 
 
 @torch.library.register_fake("moespec::packed_linear", lib=PACKED_LINEAR_LIB)
@@ -156,9 +166,13 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("weight_scale_inv", None)
 
+    def packed_sources(self, device_type: str | None = None) -> list[torch.Tensor]:
+        """The weights `pack()` packs (none where packing does not apply)."""
+        return [self.weight] if packable(self.weight, device_type) else []
+
     def pack(self) -> bool:
         """Keep the weight also packed for oneDNN (see the class); False where that does not apply."""
-        if not packable(self.weight):
+        if not self.packed_sources():
             return False
         self.packed = PackedWeight(self.weight)
         return True
@@ -245,10 +259,15 @@ def merged_aliases(model: nn.Module) -> dict[str, str]:
     return {part: merged for merged, parts, _ in merged_parts(model) for part in parts}
 
 
+def packing_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that pack weights (Linear, LocalExperts: `packed_sources`, `pack`)."""
+    return [module for module in model.modules() if hasattr(module, "packed_sources")]
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Pack the weights of every module of `model` that can (Linear.pack, LocalExperts.pack) for
-    oneDNN on the CPU; returns how many modules did."""
-    return sum(module.pack() for module in model.modules() if callable(getattr(module, "pack", None)))
+    """Pack the weights of every module of `model` that can, for oneDNN on the CPU; returns how
+    many modules did."""
+    return sum(module.pack() for module in packing_modules(model))
 
 
 def unmerge_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -111,13 +111,21 @@ class LocalExperts(nn.Module):
         few = x.shape[0] * topk_ids.shape[1] <= limit * self.num_local
         # a compiled step (moespec.static_step) must not read counts on the host: fixed shapes
         if (few or torch.compiler.is_compiling()) and self.w13_scale_inv is None:
-            return self.forward_dense(x, topk_ids, topk_weights)
+            dense = self.forward_packed if packed else self.forward_dense
+            return dense(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
+
+    def packed_sources(self, device_type: str | None = None) -> list[torch.Tensor]:
+        """The weights `pack()` packs: both projections, or none (FP8, or not packable)."""
+        sources = [self.w13, self.w2]
+        if self.w13_scale_inv is not None or not all(packable(w, device_type) for w in sources):
+            return []
+        return sources
 
     def pack(self) -> bool:
         """Keep both projections also packed for oneDNN (layers.PackedWeight), as two linears over
         every local expert: w13 [E*2I, M] and w2 side by side [M, E*I]. The dense path runs them."""
-        if self.w13_scale_inv is not None or not packable(self.w13):
+        if not self.packed_sources():
             return False
         E, I, M = self.num_local, self.intermediate, self.w13.shape[2]
         self.packed = (PackedWeight(self.w13, lambda w: w.reshape(E * 2 * I, M)),
@@ -130,8 +138,6 @@ class LocalExperts(nn.Module):
         calls, however many experts are hit."""
         T, M = x.shape
         E, I = self.num_local, self.intermediate
-        if self.packed is not None and self.packed[0].applies(x):
-            return self.forward_packed(x, topk_ids, topk_weights)
         gate_up = linear(x, self.w13.view(E * 2 * I, M), pad_single_row=self.pad_single_row)  # [T, E*2I]
         gate, up = gate_up.view(T, E, 2, I).unbind(2)  # [T, E, I] each
         act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
@@ -141,7 +147,7 @@ class LocalExperts(nn.Module):
         return (chosen * topk_weights.t()[:, :, None]).sum(0)  # [T, M]
 
     def forward_packed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The dense path as two linears over the packed weights: each token's gate weights
+        """The dense path as two linears over the packed weights (pack()): each token's gate weights
         scale its experts' activations before the down projection sums over the experts."""
         T, E, I = x.shape[0], self.num_local, self.intermediate
         gate, up = self.packed[0](x).view(T, E, 2, I).unbind(2)  # [T, E, I] each

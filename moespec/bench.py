@@ -143,8 +143,13 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
             for label in order}
     for label in order:
         steps, busy, wall = (b - a for a, b in zip(steps_before[label], step_times(engines[label].engine.stats)))
-        rows[label].update(step_ms=1e3 * wall / max(steps, 1), host_hidden_share=(busy - wall) / busy if busy else 0.0)
+        rows[label].update(step_ms=1e3 * wall / max(steps, 1), host_hidden_share=hidden_share(busy, wall))
     return rows
+
+
+def hidden_share(busy: float, wall: float) -> float:
+    """Share of host + device time (`busy`) that ran beside the device: 0 for serial steps."""
+    return (busy - wall) / busy if busy else 0.0
 
 
 def step_times(stats) -> tuple[int, float, float]:

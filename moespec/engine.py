@@ -425,7 +425,7 @@ class Engine:
             if plan.run:
                 self.join_step(plan)
             return EngineOutputs()
-        prepared = self.prepare(scheduled, plan, start)
+        prepared = self.prepare(scheduled, plan, start, tree=self.next_tree)
         if prepared.num_spec:
             return self.finish_speculative(prepared, self.speculate(prepared))
         start = time.perf_counter()
@@ -483,8 +483,8 @@ class Engine:
         if not chunks:
             return InFlight(flight.plan, None)
         # pages are there: reserved for the step before's longest outcome and this one's lookahead
-        self.next_tree = flight.prepared.tree if flight.prepared is not None else None
-        prepared = self.prepare(SchedulerOutput(chunks, []), flight.plan, start)
+        tree = flight.prepared.tree if flight.prepared is not None else None
+        prepared = self.prepare(SchedulerOutput(chunks, []), flight.plan, start, tree=tree)
         return self.advance(prepared, None, start)
 
     def run_prepared(self, flight: InFlight, following, start: float) -> EngineOutputs:
@@ -555,7 +555,8 @@ class Engine:
         if extra and not plan.ks[self.lockstep.rank if self.lockstep else 0]:
             # a plain step needs the last token on the host: prepared once the step before is processed
             return InFlight(plan, None, scheduled=scheduled) if self.lockstep is not None else None
-        return self.advance(self.prepare(scheduled, plan, start, extra), previous, start, ahead=bool(extra))
+        prepared = self.prepare(scheduled, plan, start, extra, self.next_tree)
+        return self.advance(prepared, previous, start, ahead=bool(extra))
 
     def advance(self, prepared: PreparedStep, previous: InFlight | None, start: float,
                 ahead: bool = False) -> InFlight:
@@ -719,16 +720,17 @@ class Engine:
         self.lockstep.pad_mtp(plan.mtp_before + plan.mtp_after)
 
     def prepare(self, scheduled: SchedulerOutput, plan: StepPlan, start: float,
-                extra: dict[int, int] | None = None) -> PreparedStep:
+                extra: dict[int, int] | None = None, tree: TreeShape | None = None) -> PreparedStep:
         """`extra`: tokens a step in flight may still add to a request (by id): a verify batch is
-        packed and planned for the most, and shifted back on the device later (overlap)."""
+        packed and planned for the most, and shifted back on the device later (overlap). `tree`:
+        the draft tree the policy chose when the step was reported (`fit_choice`), if any."""
         for chunk in scheduled.chunks:
             if chunk.seq.metrics.first_scheduled_time is None:
                 chunk.seq.metrics.first_scheduled_time = time.monotonic()
         sampled = [c.seq for c in scheduled.chunks if c.completes_prompt]
         num_spec = plan.ks[self.lockstep.rank if self.lockstep else 0]
         if num_spec:
-            tree = self.next_tree if self.next_tree is not None and num_spec == self.next_tree.depth else None
+            tree = tree if tree is not None and num_spec == tree.depth else None
             batch = ctx = None
             if tree is None:  # a tree's batch needs its shape, known once drafted
                 batch = self.build_verify_batch(sampled, num_spec, extra)

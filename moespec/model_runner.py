@@ -18,7 +18,7 @@ from torch import nn
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
-from moespec.models.layers import can_pack_linears, pack_linears, reserve_rope_positions
+from moespec.models.layers import pack_linears, reserve_rope_positions
 from moespec.static_step import StaticSteps, model_step
 
 
@@ -67,7 +67,7 @@ class ModelRunner:
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()
         set_single_row_padding(model, self.device.type == "cpu" and weights_stream)
-        if pack and can_pack_linears(self.device):
+        if pack:
             pack_linears(model)
 
     def plan(self, batch: Batch) -> ForwardContext:

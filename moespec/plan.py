@@ -124,21 +124,13 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
     return by_dtype
 
 
-def packed_weight_bytes(model: torch.nn.Module) -> int:
-    """The second copy of the weights that model.pack_linears packs on the CPU (layers.pack_linears)."""
-    from moespec.models.layers import Linear, packable
-    from moespec.models.moe import LocalExperts
+def packed_weight_bytes(model: torch.nn.Module, device: str) -> int:
+    """The second copy of the weights that model.pack_linears packs on `device` (layers.pack_linears)."""
+    from moespec.models.layers import packing_modules
 
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            tensors = [module.weight]
-        elif isinstance(module, LocalExperts) and module.w13_scale_inv is None:
-            tensors = [module.w13, module.w2]
-        else:
-            continue
-        total += sum(t.numel() * t.element_size() for t in tensors if packable(t, "cpu"))
-    return total
+    device_type = torch.device(device).type
+    return sum(t.numel() * t.element_size() for module in packing_modules(model)
+               for t in module.packed_sources(device_type))
 
 
 def deepep_low_latency_bytes(tokens: int, hidden: int, num_experts: int) -> int:
@@ -213,7 +205,6 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     """The memory of one rank of `config`; device_bytes defaults to the configured device's total."""
     from moespec.kv_cache import kv_bytes_per_token
     from moespec.models import resolve_dtype
-    from moespec.models.layers import can_pack_linears
 
     device = config.model.device
     device_bytes = device_bytes if device_bytes is not None else device_memory(device)
@@ -230,8 +221,8 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
         name, path, module = drafter
         components.append(Component(name, sum(param_bytes(module).values()), path))
         per_token += kv_bytes_per_token(module.kv_cache_spec(), dtype)
-    if config.model.pack_linears and can_pack_linears(device):
-        packed = packed_weight_bytes(model) + (packed_weight_bytes(drafter[2]) if drafter is not None else 0)
+    if config.model.pack_linears:
+        packed = packed_weight_bytes(model, device) + (packed_weight_bytes(drafter[2], device) if drafter else 0)
         if packed:
             components.append(Component("packed weights", packed, "model.pack_linears: a second copy of the linears "
                                         "packed for oneDNN"))

@@ -18,15 +18,14 @@ M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, e
 """
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
+from moespec.models.layers import OP_OBJECTS
 from moespec.models.moe import LocalExperts
 from moespec.parallel.comm import Collectives, CommStream
 from moespec.parallel.exchange import DeepEPExchange, GlooExchange, Ready
@@ -171,18 +170,12 @@ class Dispatched:
     num_tokens: int  # T of this half
 
 
-# EP layers by key, for the compiled step's opaque op (`moespec::ep_experts`): a compiled graph
-# holds a layer's key, the op finds the layer here. Weak references: a layer is never kept alive.
-EP_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-LAYER_KEYS = itertools.count()
-
-
 @torch.library.custom_op("moespec::ep_experts", mutates_args=())
 def ep_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int) -> torch.Tensor:
     """An EP layer inside a compiled step (`model.compile`): opaque to the compiler, so the
     exchange (collectives, the comm thread, host ints) runs eagerly between compiled graphs,
     and every layer's call keeps its own key in the graph (no graph break, no per-layer guard)."""
-    return EP_LAYERS[key].run_padded(x, topk_ids, topk_weights)
+    return OP_OBJECTS[key].run_padded(x, topk_ids, topk_weights)
 
 
 @ep_experts_op.register_fake
@@ -199,8 +192,7 @@ class EPExperts(LocalExperts):
         num_local = num_experts // ctx.ep_size
         super().__init__(num_experts, hidden, intermediate, first=ctx.ep_rank * num_local, num_local=num_local)
         self.runtime, self.top_k = runtime, top_k
-        self.key = next(LAYER_KEYS)
-        EP_LAYERS[self.key] = self
+        self.key = OP_OBJECTS.add(self)  # the compiled step's op finds the layer by it
         self.shared: SharedExperts = None  # set by `bind_shared`; not a submodule (its weights are the MoE's)
 
     def bind_shared(self, shared: SharedExperts) -> None:

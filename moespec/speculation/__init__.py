@@ -44,13 +44,13 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
     dtype = next(target.parameters()).dtype
     if spec.mtp_head:
         from moespec.model_runner import set_single_row_padding
-        from moespec.models.layers import can_pack_linears, pack_linears, reserve_rope_positions
+        from moespec.models.layers import pack_linears, reserve_rope_positions
         from moespec.models.mtp_head import load_mtp_head
 
         mtp = load_mtp_head(target, spec.mtp_head, dtype)
         reserve_rope_positions(mtp, cache.num_kv_pages * cache.page_size)
         set_single_row_padding(mtp.head, True)  # as for a draft model: target forwards evict its weights
-        if config.model.pack_linears and can_pack_linears(config.model.device):
+        if config.model.pack_linears:
             pack_linears(mtp.head)
         scratch = 1 if compile_buckets(config) else 0  # static steps' scratch page
         caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages + scratch, cache.page_size, dtype,
