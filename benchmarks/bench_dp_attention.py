@@ -3,10 +3,11 @@ attention, at the same total batch, through the whole engine (scheduler, KV cach
 speculator, per-step agreement, request channel); or of EP=2 with data-parallel attention,
 serial against overlap scheduling (`--compare overlap`, `scheduler.overlap`), or eager against
 compiled steps (`--compare compile`, `model.compile`; buckets of 8 and 16 requests per rank,
-every rank compiling them before each run, as `moespec serve` does).
+every rank compiling them before each run, as `moespec serve` does), or microbatching within
+each MoE layer against two-batch overlap (`--compare two_batch`, `parallel.two_batch_overlap`).
 
   .venv/bin/python benchmarks/bench_dp_attention.py --requests 32 --max-tokens 48 --repeats 4 \
-      [--spec none,mtp] [--compare attention|overlap|compile] [--out docs/bench/dp-attention.json]
+      [--spec none,mtp] [--compare attention|overlap|compile|two_batch] [--out docs/bench/dp-attention.json]
 
 Two local ranks (processes, gloo) run both settings on the same process group, taking turns
 (a, b, then b, a, ...), so both see the same machine load. Each run adds all
@@ -40,7 +41,9 @@ PROMPTS = ["def main():", "import os\nimport sys", "class Parser:", "for i in ra
 SETTINGS = {"attention": (("dp", {"parallel.attention": "dp"}), ("replicated", {"parallel.attention": "replicated"})),
             "overlap": (("overlap", {"scheduler.overlap": True}), ("serial", {"scheduler.overlap": False})),
             "compile": (("compiled", {"model.compile": True, "model.compile_batch_sizes": [8, 16]}),
-                        ("eager", {"model.compile": False}))}
+                        ("eager", {"model.compile": False})),
+            "two_batch": (("two_batch", {"parallel.two_batch_overlap": True}),
+                          ("microbatched", {"parallel.two_batch_overlap": False}))}
 
 
 def engine_config(setting: dict, spec: str, args: argparse.Namespace):
@@ -81,7 +84,9 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
                 pair = SETTINGS[args.compare]
                 for label, setting in pair if rnd % 2 == 0 else pair[::-1]:
                     config = engine_config(setting, spec, args)
-                    ranks.runtime.dp = config.parallel.attention == "dp"
+                    p = config.parallel
+                    ranks.runtime.dp, ranks.runtime.two_batch = p.attention == "dp", p.two_batch_overlap
+                    ranks.runtime.microbatch = p.microbatch or p.two_batch_overlap
                     engine = Engine(config, ranks=ranks)
                     engine.warm_up()  # model.compile: every bucket now, on every rank (no collectives)
                     if ranks.ctx.leader:
@@ -119,7 +124,8 @@ def main() -> None:
     parser.add_argument("--microbatch", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compare", choices=sorted(SETTINGS), default="attention",
                         help="attention: dp against replicated; overlap: serial against scheduler.overlap; "
-                             "compile: eager against model.compile (both dp)")
+                             "compile: eager against model.compile (both dp); two_batch: microbatched "
+                             "within MoE layers against parallel.two_batch_overlap")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = run_ranks(bench_rank, 2, args, timeout_s=3600)

@@ -89,3 +89,8 @@ $PY benchmarks/bench_dp_attention.py --compare overlap --requests 32 --max-token
 # ... and eager against compiled steps (model.compile) across the ranks
 $PY benchmarks/bench_dp_attention.py --compare compile --requests 32 --max-tokens 48 --repeats 3 \
     --spec none,mtp --out docs/bench/ep-compile.json
+# ... and microbatching within each MoE layer against two-batch overlap (parallel.two_batch_overlap)
+$PY benchmarks/bench_dp_attention.py --compare two_batch --requests 32 --max-tokens 48 --repeats 4 \
+    --spec none,mtp --out docs/bench/ep-two-batch.json
+# the verify step's communication hidden by microbatching and by two-batch overlap, over a modelled link
+$PY benchmarks/bench_ep_overlap.py --steps 30 --out docs/bench/ep-overlap.json

@@ -18,6 +18,7 @@ from torch import nn
 from moespec.attention.base import ForwardContext
 from moespec.models.layers import GatedMLP, Linear, RMSNorm, RopeConfig, RotaryEmbedding, yarn_mscale
 from moespec.models.moe import LocalExperts, MoEExperts
+from moespec.models.two_batch import Stages, run_halves
 from moespec.models.weights import KVSpec, WeightError, WeightLoader, hf_eos_ids, hf_get
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,15 @@ class DeepseekMoE(nn.Module):
         out = self.experts(x, topk_ids, topk_weights.to(x.dtype))
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
+    def stages(self, x: torch.Tensor, first: bool) -> Stages:
+        """forward as a generator that yields while the expert-parallel exchange is in flight
+        (two-batch overlap); local experts have nothing in flight."""
+        stages = getattr(self.experts, "stages", None)
+        if stages is None:
+            return self(x)
+        topk_ids, topk_weights = self.gate(x)
+        return (yield from stages(x, topk_ids, topk_weights.to(x.dtype), self.shared_experts, first))
+
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: DeepseekV3Config, layer_id: int, experts_factory) -> None:
@@ -200,6 +210,15 @@ class DeepseekDecoderLayer(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def stages(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               ctx: ForwardContext, first: bool) -> Stages:
+        """forward over one microbatch, yielding while its MoE tokens are in flight."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        mlp_in = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, DeepseekMoE):
+            return x + (yield from self.mlp.stages(mlp_in, first))
+        return x + self.mlp(mlp_in)
 
 
 class SharedHead(nn.Module):
@@ -228,6 +247,12 @@ class MTPLayer(DeepseekDecoderLayer):
                 cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, M]
         x = super().forward(x, rope, cos_sin, ctx)
+        return self.shared_head.norm(x)
+
+    def stages(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+               cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext, first: bool) -> Stages:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, M]
+        x = yield from super().stages(x, rope, cos_sin, ctx, first)
         return self.shared_head.norm(x)
 
 
@@ -291,8 +316,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [T, M]
         rope = self.model.rotary_emb
         cos_sin = rope(positions, x.dtype)
+        if ctx.halves is not None:  # two-batch overlap
+            return run_halves(ctx, self.stages, x, cos_sin)
         for layer in self.model.layers:
             x = layer(x, rope, cos_sin, ctx)
+        return self.model.norm(x)
+
+    def stages(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext,
+               first: bool) -> Stages:
+        """forward over one microbatch [T', M], yielding while its MoE tokens are in flight, so the
+        other microbatch's attention runs meanwhile (models/two_batch.py)."""
+        for layer in self.model.layers:
+            x = yield from layer.stages(x, self.model.rotary_emb, cos_sin, ctx, first)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -302,7 +337,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                     ctx: ForwardContext) -> torch.Tensor:
         rope = self.model.rotary_emb
         embeds = self.mtp_embeds[index](next_ids)
-        return self.mtp[index](embeds, hidden, rope, rope(positions, hidden.dtype), ctx)
+        cos_sin = rope(positions, hidden.dtype)
+        if ctx.halves is not None:  # two-batch overlap
+            layer = self.mtp[index]
+            return run_halves(ctx, lambda e, h, cs, c, first: layer.stages(e, h, rope, cs, c, first),
+                              embeds, hidden, cos_sin)
+        return self.mtp[index](embeds, hidden, rope, cos_sin, ctx)
 
     def compute_mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp_heads[index](hidden)

@@ -78,7 +78,12 @@ class ParallelSection:
     # Prefill and mixed steps always use the uneven exchange (DeepEP: normal mode).
     moe_exchange: Literal["auto", "fixed", "uneven"] = "auto"
     moe_backend: Literal["torch", "deepep"] = "torch"
+    # MoE layers split each batch into two halves of whole requests: one half's tokens are
+    # exchanged while the other's experts run
     microbatch: bool = False
+    # two-batch overlap: the halves take turns across the whole forward, so one half's attention
+    # also runs while the other's tokens are exchanged (implies microbatch; torch attention)
+    two_batch_overlap: bool = False
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 120.0
 
@@ -148,6 +153,9 @@ class EngineConfig:
             # the device (TorchPagedAttention.shift); FlashInfer's plan takes the lengths on the host
             raise ConfigError("scheduler.overlap with speculation needs model.attention_backend: torch; "
                               "set scheduler.overlap: false for flashinfer")
+        if self.parallel.two_batch_overlap and self.model.attention_backend != "torch":
+            # each half needs a plan of its own; FlashInfer's wrappers hold one plan each
+            raise ConfigError("parallel.two_batch_overlap needs model.attention_backend: torch")
         if self.speculation.tree is not None and self.speculation.mode != "none":
             self.check_tree()
         for size in self.model.compile_batch_sizes or ():

@@ -136,6 +136,10 @@ class Lockstep:
         """The agreed step `plan` runs its forwards now (on the engine's thread)."""
         self.plan, self.mtp_done = plan, 0
 
+    def two_batch_split(self, batch: Batch) -> int | None:
+        """Two-batch overlap: the request where this batch's forwards split (EPRuntime)."""
+        return self.runtime.two_batch_split(batch.qo_bounds)
+
     @contextlib.contextmanager
     def target(self, batch: Batch) -> Iterator[None]:
         with self.runtime.step(batch.qo_bounds, self.low_latency, self.capacity):
@@ -228,8 +232,10 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
     if ctx.world_size != ctx.ep_size:
         raise ParallelError(f"world size {ctx.world_size} != parallel.ep_size {ctx.ep_size}: run one expert-parallel "
                             "group (one rank per GPU of the group)")
-    runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, microbatch=config.parallel.microbatch,
-                        max_tokens_per_rank=dispatch_capacity(config), dp=config.parallel.attention == "dp")
+    p = config.parallel
+    runtime = EPRuntime(ctx, backend=p.moe_backend, microbatch=p.microbatch or p.two_batch_overlap,
+                        max_tokens_per_rank=dispatch_capacity(config), dp=p.attention == "dp",
+                        two_batch=p.two_batch_overlap)
     return Ranks(ctx, runtime, Channel.connect(ctx))
 
 

@@ -620,6 +620,8 @@ class Engine:
         batch.positions = (batch.positions.view(B, Q) + delta[:, None]).flatten()  # not in place: the plan views it
         if ctx.static is None:
             ctx.backend.shift(delta)
+            for half in ctx.halves or ():  # two-batch overlap: each half's own plan too
+                half.backend.shift(delta[half.requests])
             return
         static = ctx.static
         static.batch.positions = torch.cat([batch.positions, static.batch.positions[B * Q:]])

@@ -7,7 +7,6 @@ Shapes legend: T tokens, N sampled rows, M hidden, V vocab.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moespec.attention import ForwardContext, create_backend
+from moespec.attention import ForwardContext, create_backend, plan_forward
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
 from moespec.models.layers import pack_linears, reserve_rope_positions
@@ -79,9 +78,8 @@ class ModelRunner:
             ctx = ForwardContext(None, self.cache.layers)
             ctx.static = static
             return ctx
-        self.backend.plan(batch.attention_metadata())
-        # a snapshot of the plan: under overlap scheduling the next plan is made while this one runs
-        return ForwardContext(copy.copy(self.backend), self.cache.layers)
+        split = self.sync.two_batch_split(batch) if self.sync is not None else None
+        return plan_forward(self.backend, batch.attention_metadata(), self.cache.layers, split)
 
     def warm_up(self, shapes: list[tuple[str, int, int]]) -> float:
         """Compile the static steps (mode, Q, sampled rows per request) of every bucket now;

@@ -27,6 +27,7 @@ import torch
 
 from moespec.models.layers import OP_OBJECTS
 from moespec.models.moe import LocalExperts
+from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream
 from moespec.parallel.exchange import DeepEPExchange, GlooExchange, Ready
 from moespec.parallel.groups import ParallelContext, ParallelError
@@ -50,8 +51,11 @@ class EPRuntime:
     current step's microbatch split (set by `step`, read by every MoE layer, MTP included)."""
 
     def __init__(self, ctx: ParallelContext, collectives: Collectives | None = None, backend: Backend = "torch",
-                 microbatch: bool = False, max_tokens_per_rank: int = 256, dp: bool = False) -> None:
+                 microbatch: bool = False, max_tokens_per_rank: int = 256, dp: bool = False,
+                 two_batch: bool = False) -> None:
         self.ctx, self.backend, self.microbatch, self.dp = ctx, backend, microbatch, dp
+        self.two_batch = two_batch  # the halves take turns across whole forwards (two_batch_split)
+        self.two_batch_plans = 0  # forwards planned as two halves so far
         self.max_tokens_per_rank = max_tokens_per_rank  # DeepEP low-latency buffers: D * (1 + k)
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
@@ -80,6 +84,19 @@ class EPRuntime:
             yield
         finally:
             self.active, self.split, self.low_latency, self.capacity, self.num_tokens = False, None, None, None, None
+
+    def two_batch_split(self, qo_bounds: Sequence[int]) -> int | None:
+        """Two-batch overlap: the request at which a forward over qo_bounds [B+1] (host ints) splits
+        into two microbatches that take turns through every layer (the split `step` gives the MoE
+        layers), or None when off or when a half would hold no tokens. Then the MoE layers split
+        alone, which issues the same collectives in the same order, so ranks may differ."""
+        if not (self.two_batch and self.microbatch) or len(qo_bounds) < 3:
+            return None
+        split = split_point(qo_bounds)
+        if not 0 < split < qo_bounds[-1]:
+            return None
+        self.two_batch_plans += 1
+        return list(qo_bounds).index(split)
 
     def exchange(self, num_experts: int):
         """The fixed-capacity exchange every layer shares (DeepEP's kernels, or fixed all-to-alls)."""
@@ -227,40 +244,61 @@ class EPExperts(LocalExperts):
 
     def forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       shared: SharedExperts) -> torch.Tensor:
-        """Routed (+ shared) expert output [T, M]; the shared experts run where they hide communication."""
-        if self.runtime.low_latency:
-            return self.forward_low_latency(x, topk_ids, topk_weights, shared)
+        """Routed (+ shared) expert output [T, M]: the whole batch, or (microbatching) its halves
+        [0, split) and [split, T) in turns, each half's transfers in flight while the other
+        computes. Both halves run, empty or not, so the collectives pair up across ranks."""
         split = self.runtime.split
         if split is None:
-            return self.forward_sequential(x, topk_ids, topk_weights, shared)
-        return self.forward_microbatched(x, topk_ids, topk_weights, split, shared)
+            return drive(self.stages(x, topk_ids, topk_weights, shared))
+        halves = (slice(0, split), slice(split, x.shape[0]))
+        return torch.cat(interleave([self.stages(x[h], topk_ids[h], topk_weights[h], shared, first=i == 0)
+                                     for i, h in enumerate(halves)]))
 
-    def forward_low_latency(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            shared: SharedExperts = None) -> torch.Tensor:
-        """Decode and verify: the fixed-capacity exchange (parallel/exchange.py), no host read.
-        Every half's dispatch is sent first; each half is then received (DeepEP: its hook), run
-        through the masked grouped experts and combined while the other is still in flight."""
-        split, T = self.runtime.split, x.shape[0]
-        halves = [slice(0, T)] if split is None else [slice(0, split), slice(split, T)]
-        rows = [self.shard_of(h) for h in halves]  # this rank's rows of each half
-        exchange = self.runtime.exchange(self.num_experts)
-        sent = [exchange.dispatch(x[r], topk_ids[r], self.runtime.call_capacity(h.stop - h.start))
-                for r, h in zip(rows, halves)]
-        shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
-        combined = []
-        for r, h, pending in zip(rows, halves, sent):
-            received = pending.wait()
+    def stages(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               shared: SharedExperts, first: bool = True) -> Stages:
+        """Dispatch -> experts -> combine of one batch (or microbatch), as a generator that yields
+        while each transfer is in flight (models/two_batch.py) -> routed (+ shared) output [T, M].
+        Comm thread: dispatch, then combine (+ all-gather); this thread meanwhile runs the shared
+        experts: in the first half's dispatch window (after the other half's dispatch is queued),
+        and in the last half's combine window."""
+        T = x.shape[0]
+        sent = self.send(x, topk_ids, topk_weights)
+        yield
+        shared_out = shared(x) if shared is not None and first else None
+        back = self.send_back(sent.wait(), topk_ids, topk_weights, T)
+        if shared is not None and not first:
+            shared_out = shared(x)
+        yield
+        out = back.wait()  # [T, M]
+        return out if shared_out is None else out + shared_out
+
+    def fixed_exchange(self, num_tokens: int) -> bool:
+        """Whether a call over num_tokens takes the fixed-capacity exchange (the step decides)."""
+        return bool(self.runtime.low_latency)
+
+    def send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """This rank's rows dispatched, in flight -> a handle whose wait() is what this rank received."""
+        T = x.shape[0]
+        if not self.fixed_exchange(T):
+            return self.runtime.stream.submit("dispatch", self.dispatch, x, topk_ids, topk_weights)
+        rows = self.shard_of(slice(0, T))
+        return self.runtime.exchange(self.num_experts).dispatch(x[rows], topk_ids[rows],
+                                                                self.runtime.call_capacity(T))
+
+    def send_back(self, received, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int):
+        """The local experts over what this rank received, then their combine in flight -> a
+        handle whose wait() is the output [T, M] (all-gathered when attention is replicated)."""
+        if not self.fixed_exchange(num_tokens):
+            combine = self.runtime.stream.submit("combine", self.combine, self.compute(received), received)
+        else:
+            rows = self.shard_of(slice(0, num_tokens))
             y = self.forward_masked(received.x, received.counts)  # [L, G*C, M]
-            combined.append(self.gathered(exchange.combine(y, topk_ids[r], topk_weights[r], received), h))
-        if shared is not None:
-            shared_out += [shared(x[h]) for h in halves[1:]]  # hides the last combine
-        out = torch.cat([c.wait() for c in combined])  # [T, M]
-        return out + torch.cat(shared_out) if shared is not None else out
+            combine = self.runtime.exchange(self.num_experts).combine(y, topk_ids[rows], topk_weights[rows], received)
+        return self.gathered(combine, num_tokens)
 
-    def gathered(self, combine, half: slice):
-        """A half's combine, then (replicated) the all-gather of every rank's rows of it, queued on
-        the comm thread behind the combine so it overlaps compute too."""
-        num_tokens = half.stop - half.start
+    def gathered(self, combine, num_tokens: int):
+        """A combine, then (replicated) the all-gather of every rank's rows, queued on the comm
+        thread behind the combine so it overlaps compute too."""
         if self.runtime.dp:
             return combine
         if self.runtime.backend == "deepep":  # DeepEP's receive hook belongs on the compute thread
@@ -271,30 +309,6 @@ class EPExperts(LocalExperts):
         """This rank's rows of one half, as absolute rows of the batch."""
         lo, hi = self.runtime.rows_of(half.stop - half.start)
         return slice(half.start + lo, half.start + hi)
-
-    def forward_sequential(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                           shared: SharedExperts = None) -> torch.Tensor:
-        stream = self.runtime.stream
-        received = stream.run("dispatch", self.dispatch, x, topk_ids, topk_weights)
-        out = stream.run("combine", self.combine, self.compute(received), received)  # [T, M]
-        return out + shared(x) if shared is not None else out
-
-    def forward_microbatched(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                             split: int, shared: SharedExperts = None) -> torch.Tensor:
-        """Halves [0, split) and [split, T). Comm thread: dispatch A, dispatch B, combine A,
-        combine B; meanwhile this thread runs shared(A), experts(A), experts(B), shared(B)."""
-        halves = (slice(0, split), slice(split, x.shape[0]))  # both run, empty or not: collectives pair up
-        stream = self.runtime.stream
-        dispatched = [stream.submit("dispatch", self.dispatch, x[h], topk_ids[h], topk_weights[h]) for h in halves]
-        shared_out = [shared(x[halves[0]])] if shared is not None else []  # hides the first dispatch
-        combined = []
-        for handle in dispatched:
-            received = handle.wait()
-            combined.append(stream.submit("combine", self.combine, self.compute(received), received))
-        if shared is not None:
-            shared_out += [shared(x[h]) for h in halves[1:]]  # hides the last combine
-        out = torch.cat([handle.wait() for handle in combined])  # [T, M]
-        return out + torch.cat(shared_out) if shared is not None else out
 
     # -- the three stages (dispatch and combine run on the comm thread)
 
@@ -337,11 +351,10 @@ class EPExperts(LocalExperts):
         return out
 
     def combine(self, y: torch.Tensor, received: Dispatched) -> torch.Tensor:
-        """y [R, M] -> back to the senders, summed per token -> [T, M] (gathered when replicated)."""
+        """y [R, M] -> back to the senders, summed per token -> this rank's rows [Ts, M]."""
         back = self.runtime.collectives.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
         lo, hi = self.runtime.rows_of(received.num_tokens)
-        shard = y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
-        return self.runtime.gather(shard, received.num_tokens)
+        return y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
 
 
 def gather_shards(coll: Collectives, shard: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -375,21 +388,28 @@ def unpack_rows(payload: torch.Tensor, hidden: int, top_k: int,
 
 class DeepEPExperts(EPExperts):
     """DeepEP V1 API (`from deep_ep import Buffer`) on the process's one Buffer: low-latency
-    kernels for decode and verify steps (`DeepEPExchange`, through `forward_low_latency` like the
+    kernels for decode and verify steps (`DeepEPExchange`, through `EPExperts.stages` like the
     torch backend), normal mode for prefill. Needs CUDA, NVSHMEM and a DeepEP build; it has not
     run on this project's CPU machines. Under data-parallel attention every rank must pick the
     same mode although its batch is its own: the step's agreed `runtime.low_latency` decides."""
 
-    def forward_eager(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      shared: SharedExperts) -> torch.Tensor:
-        rows = self.shard_of(slice(0, x.shape[0]))
+    def fixed_exchange(self, num_tokens: int) -> bool:
         low_latency = self.runtime.low_latency
         if low_latency is None:  # no agreement (replicated batches): decide by this rank's share
-            low_latency = rows.stop - rows.start <= self.runtime.max_tokens_per_rank
-        if low_latency:
-            return self.forward_low_latency(x, topk_ids, topk_weights, shared)
-        out = self.runtime.gather(self.run_normal(x[rows], topk_ids[rows], topk_weights[rows]), x.shape[0])
-        return out + shared(x) if shared is not None else out
+            lo, hi = self.runtime.rows_of(num_tokens)
+            return hi - lo <= self.runtime.max_tokens_per_rank
+        return low_latency
+
+    def send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        if self.fixed_exchange(x.shape[0]):
+            return super().send(x, topk_ids, topk_weights)
+        rows = self.shard_of(slice(0, x.shape[0]))  # normal mode: the whole exchange, here and now
+        return Ready(self.run_normal(x[rows], topk_ids[rows], topk_weights[rows]))
+
+    def send_back(self, received, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int):
+        if self.fixed_exchange(num_tokens):
+            return super().send_back(received, topk_ids, topk_weights, num_tokens)
+        return Ready(self.runtime.gather(received, num_tokens))  # received: run_normal's rows [Ts, M]
 
     def run_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted)

@@ -19,7 +19,7 @@ combine waits for the host, and the step can be captured in a CUDA graph.
 - `DeepEPExchange` is DeepEP's `low_latency_dispatch` / `low_latency_combine` with
   `return_recv_hook=True` on the process's one `Buffer`, returning the same tensors.
 
-`EPExperts.forward_low_latency` is the one code path around both.
+`EPExperts.stages` is the one code path around both.
 
 Shapes legend: T tokens this rank sends (T <= C), A activated experts per token, E experts
 (global), L local experts, G ranks, C capacity per rank, M hidden.

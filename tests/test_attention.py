@@ -107,3 +107,29 @@ def test_uniform_plan_matches_direct_computation(mla, lengths, Q):
         causal = torch.ones(Q, n + Q, dtype=torch.bool).tril(n)
         ref = reference(q[b * Q:(b + 1) * Q], k, v, causal, 0.3)
         assert torch.allclose(out[b * Q:(b + 1) * Q], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_halves_planned_alone_match_the_whole_batch(split):
+    """Two-batch overlap plans each half's requests alone (custom tree mask included): running each
+    half on its own rows gives the whole batch's output, and writes the same KV."""
+    from moespec.attention import plan_forward
+    torch.manual_seed(1)
+    H, D = 4, 8
+    history, q_lens = [9, 3, 14], [3, 1, 3]
+    allocator = PageAllocator(64, S)
+    pages = [allocator.allocate(6)[::-1] for _ in history]
+    caches = [LayerKV(torch.randn(64, S, 1, D), torch.randn(64, S, 1, D)) for _ in range(2)]
+    caches[1] = LayerKV(caches[0].k.clone(), caches[0].v.clone())
+    masks = [torch.ones(q, n + q, dtype=torch.bool).tril(n) for n, q in zip(history, q_lens)]
+    masks[2][:, history[2]:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    meta = metadata(list(zip(history, q_lens)), pages, torch.cat([m.flatten() for m in masks]))
+    q, k, v = torch.randn(7, H, D), torch.randn(7, 1, D), torch.randn(7, 1, D)
+    ctx = plan_forward(TorchPagedAttention(), meta, [caches[0]], split)
+    whole = ctx.backend.run(q, k, v, caches[0], 0.3, D)
+    rows = [half.rows for half in ctx.halves]
+    assert [h.requests for h in ctx.halves] == [slice(0, split), slice(split, 3)]
+    assert rows == [slice(0, sum(q_lens[:split])), slice(sum(q_lens[:split]), 7)]
+    halves = [ctx.half(i).backend.run(q[r], k[r], v[r], caches[1], 0.3, D) for i, r in enumerate(rows)]
+    assert torch.allclose(torch.cat(halves), whole, atol=1e-6)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

@@ -37,6 +37,8 @@ def test_overrides_and_frozen():
     ({"model": {"path": "m"}}, {"pages": 3}, "unknown option 'pages'"),
     ({"model": {"path": "m"}}, {"speculation.adaptive_margin": -0.1}, "speculation.adaptive_margin must be >= 0"),
     ({}, {}, "model.path is required"),
+    ({"model": {"path": "m", "attention_backend": "flashinfer"}}, {"parallel.two_batch_overlap": True},
+     "parallel.two_batch_overlap needs model.attention_backend: torch"),
 ])
 def test_bad_config_names_the_key(raw, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):

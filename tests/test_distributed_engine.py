@@ -33,7 +33,7 @@ SPEC = {
 
 def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
                   num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed", overlap: bool = False,
-                  compile: bool = False):
+                  compile: bool = False, two_batch: bool = False):
     speculation = dict(SPEC[spec])
     if spec == "draft":
         speculation["draft_model"] = paths["draft"]
@@ -42,6 +42,7 @@ def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True,
                          "scheduler": {"max_num_seqs": max_num_seqs, "overlap": overlap},
                          "speculation": speculation,
                          "parallel": {"ep_size": ep_size, "microbatch": microbatch, "timeout_s": 30,
+                                      "two_batch_overlap": two_batch,
                                       "attention": attention, "moe_exchange": exchange}})
 
 
@@ -87,7 +88,8 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     """Every scenario on the same ranks: per scenario rank 0 returns (outputs, verify steps,
     requests it ran, most requests running at once, accept length, cached prompt tokens per
     request), the others (None, their verify steps, requests they ran, 0, 0.0, None); each also
-    its tree verify steps and `step_counts`; last, whether the fixed-capacity exchange ran."""
+    its tree verify steps, `step_counts` and its forwards planned as two halves (two-batch
+    overlap); last, whether the fixed-capacity exchange ran."""
     import moespec.models.layers as layers
     from moespec.distributed import join_ranks
     from moespec.engine import Engine
@@ -99,21 +101,24 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
             layers.PACKED_MIN_ELEMENTS = 0 if s.get("pack_all") else size_floor
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
                                    s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"),
-                                   s.get("overlap", False), bool(s.get("compile")))
+                                   s.get("overlap", False), bool(s.get("compile")), s.get("two_batch", False))
             if s.get("compile"):  # "eager": dynamo traces the step (the EP layers as opaque ops), no codegen
                 import moespec.static_step as static_step
                 static_step.COMPILE_BACKEND = s["compile"]
-            ranks.runtime.microbatch, ranks.runtime.dp = config.parallel.microbatch, config.parallel.attention == "dp"
+            p, runtime = config.parallel, ranks.runtime
+            runtime.microbatch, runtime.dp = p.microbatch or p.two_batch_overlap, p.attention == "dp"
+            runtime.two_batch, two_batch_before = p.two_batch_overlap, runtime.two_batch_plans
             engine = Engine(config, ranks=ranks)
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
                 results.append((outputs, spec_steps, engine.stats.requests, engine.peak_running,
-                                engine.accept_length, engine.cached_tokens, tree_steps(engine), step_counts(engine)))
+                                engine.accept_length, engine.cached_tokens, tree_steps(engine), step_counts(engine),
+                                runtime.two_batch_plans - two_batch_before))
             else:
                 engine.serve_forever()
                 results.append((None, engine.spec_stats.steps, engine.stats.requests, 0, 0.0, None,
-                                tree_steps(engine), step_counts(engine)))
+                                tree_steps(engine), step_counts(engine), runtime.two_batch_plans - two_batch_before))
         results.append(ranks.runtime.fixed is not None)  # decode steps took the fixed-capacity exchange
     finally:
         ranks.close()
@@ -143,7 +148,7 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
         assert result.error is None, result.error
         assert result.value[-1], "no decode step used the fixed-capacity exchange"
     for i, s in enumerate(scenarios):
-        outputs, spec_steps, placed, _, accept_length, _, _, _ = results[0].value[i]
+        outputs, spec_steps, placed, _, accept_length, _, _, _, _ = results[0].value[i]
         expected, expected_accept = expected_outputs(paths, s, with_accept_length=True)
         assert outputs == expected, s
         if s["spec"].startswith("mtp"):  # no collapse of the accept length under DP (cf. SGLang #16274)
@@ -164,14 +169,16 @@ def check_runs(paths: dict, ep_size: int, scenarios: list[dict], timeout_s: floa
 
 
 def test_dp_attention_ep2_matches_one_process(paths):
-    """EP=2, data-parallel attention: no speculation, MTP k=1 (microbatched or not), k=2 and
-    draft-target; staggered arrivals, ranks left idle, and a single request; packed linears."""
+    """EP=2, data-parallel attention: no speculation, MTP k=1 and k=2 (each microbatched and not)
+    and draft-target; staggered arrivals, ranks left idle, and a single request; packed linears."""
     check_runs(paths, 2, [
         {"spec": "none", "requests": STAGGERED},
         {"spec": "mtp1", "requests": STAGGERED},
         {"spec": "mtp2", "requests": STAGGERED, "exchange": "uneven"},
         {"spec": "mtp1", "requests": TOGETHER, "microbatch": False},
         {"spec": "mtp2", "requests": STAGGERED},
+        {"spec": "none", "requests": TOGETHER, "microbatch": False},
+        {"spec": "mtp2", "requests": TOGETHER, "microbatch": False},
         {"spec": "mtp2", "requests": ALONE},
         {"spec": "draft", "requests": STAGGERED},
         {"spec": "mtp2-adaptive", "requests": STAGGERED},
@@ -183,10 +190,15 @@ def test_dp_attention_ep2_matches_one_process(paths):
 
 
 def test_dp_attention_ep4_matches_one_process(paths):
+    """EP=4: no speculation, MTP k=1 and k=2, each microbatched and not (the fixed-capacity
+    exchange), the uneven exchange and draft-target."""
     check_runs(paths, 4, [
         {"spec": "none", "requests": TOGETHER},
+        {"spec": "none", "requests": TOGETHER, "microbatch": False},
         {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "mtp1", "requests": TOGETHER, "microbatch": False},
         {"spec": "mtp1", "requests": STAGGERED, "exchange": "uneven"},
+        {"spec": "mtp2", "requests": STAGGERED},
         {"spec": "mtp2", "requests": TOGETHER, "microbatch": False},
         {"spec": "draft", "requests": TOGETHER},
     ])
@@ -240,6 +252,29 @@ def test_compiled_steps_across_ranks_match_one_process(paths):
     for i, s in enumerate(scenarios):
         compiled = [r.value[i][7][3] for r in results]
         assert all(compiled), (s, compiled)  # every rank ran static steps
+
+
+def test_two_batch_overlap_matches_one_process(paths):
+    """parallel.two_batch_overlap at EP=2: forwards of two or more requests run as two halves that
+    take turns through every layer (one half's attention beside the other's exchange), batches of
+    one request and idle ranks split inside the MoE layers only. Greedy output equals one
+    process: both exchanges, MTP k=1 and 2, draft trees (custom masks split by request), overlap
+    scheduling (each half's plan shifted), compiled steps beside two-batch prefills, and
+    replicated attention."""
+    scenarios = [
+        {"spec": "mtp1", "requests": STAGGERED, "two_batch": True, "exchange": "uneven"},
+        {"spec": "mtp2", "requests": STAGGERED, "two_batch": True},
+        {"spec": "mtp-tree", "requests": STAGGERED, "two_batch": True},
+        {"spec": "mtp2", "requests": STAGGERED, "two_batch": True, "overlap": True},
+        {"spec": "mtp2", "requests": TOGETHER, "two_batch": True, "compile": "eager"},
+        {"spec": "mtp2", "requests": TOGETHER, "two_batch": True, "attention": "replicated"},
+    ]
+    results = check_runs(paths, 2, scenarios)
+    for i, s in enumerate(scenarios):
+        halved = [r.value[i][8] for r in results]
+        assert all(halved), (s, halved)  # every rank ran forwards as two halves
+        if s.get("overlap"):
+            assert sum(r.value[i][7][1] for r in results) >= 5, s  # verify steps planned ahead and shifted
 
 
 def test_dp_kv_capacity_is_the_sum_over_ranks(paths):

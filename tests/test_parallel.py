@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from moespec.attention import AttentionMetadata, ForwardContext, TorchPagedAttention
+from moespec.attention import AttentionMetadata, TorchPagedAttention, plan_forward
 from moespec.config import ParallelSection, load_config
 from moespec.kv_cache import KVCache, PageAllocator
 from moespec.models import load_model
@@ -42,9 +42,11 @@ def reference(checkpoint):
 
 
 def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, runtime: EPRuntime | None,
-                         page_size: int = 4, low_latency: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                         page_size: int = 4, low_latency: bool | None = None,
+                         halved: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each prompt's target logits [L, V] and MTP logits [L, V] (MTP fed token i+1 at position i),
-    all requests batched per step in chunks of `chunk` tokens each."""
+    all requests batched per step in chunks of `chunk` tokens each. `halved` gets the steps whose
+    forwards ran as two halves in turns (two-batch overlap)."""
     allocator = PageAllocator(64, page_size)
     cache = KVCache(model.kv_cache_spec(), 64, page_size, torch.float32)
     pages = [allocator.allocate(allocator.pages_for(len(p))) for p in prompts]
@@ -52,9 +54,10 @@ def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, run
     while any(d < len(p) for d, p in zip(done, prompts)):
         active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
         ids, nxt, meta = build_step(prompts, pages, done, active, chunk or max(map(len, prompts)), page_size)
-        backend = TorchPagedAttention()
-        backend.plan(meta)
-        ctx = ForwardContext(backend, cache.layers)
+        split = runtime.two_batch_split(meta.qo_indptr.tolist()) if runtime else None
+        ctx = plan_forward(TorchPagedAttention(), meta, cache.layers, split)  # split: two-batch overlap
+        if split is not None and halved is not None:
+            halved.append(len(active))
         with torch.no_grad(), (runtime.step(meta.qo_indptr.tolist(), low_latency) if runtime else contextlib.nullcontext()):
             hidden = model(ids, meta.positions, ctx)
             logits = model.compute_logits(hidden)
@@ -86,11 +89,12 @@ def build_step(prompts: list[list[int]], pages: list[list[int]], done: list[int]
     return tensor(ids), tensor(nxt), meta
 
 
-def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0,
+def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool | str, latency_s: float = 0.0,
             die: bool = False, hang: bool = False, timeout_s: float = 20, low_latency: bool | None = None) -> dict:
-    ctx = init_parallel(ParallelSection(ep_size=ep_size, microbatch=microbatch, timeout_s=timeout_s))
+    """microbatch: False, True (within each MoE layer) or "two_batch" (across the whole forward)."""
+    ctx = init_parallel(ParallelSection(ep_size=ep_size, timeout_s=timeout_s))
     link = ThrottledCollectives(ctx, LinkModel(latency_s, 1e9)) if latency_s else None
-    runtime = EPRuntime(ctx, link, microbatch=microbatch)
+    runtime = EPRuntime(ctx, link, microbatch=bool(microbatch), two_batch=microbatch == "two_batch")
     model = load_model(checkpoint, show_progress=False, experts_factory=ep_experts_factory(runtime))
     if die and rank == ep_size - 1:
         os._exit(3)  # a crashed rank: no goodbye to its peers
@@ -99,8 +103,10 @@ def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool, latency_
     start = time.monotonic()
     try:
         # the fixed-capacity exchange takes at most max_tokens_per_rank (256) tokens per rank: every chunk fits
-        return {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime, low_latency=low_latency)
-                for chunk in CHUNKS}
+        halved = []
+        out = {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime, low_latency=low_latency, halved=halved)
+               for chunk in CHUNKS}
+        return {**out, "halved": halved}
     except ParallelError as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     finally:
@@ -112,7 +118,7 @@ def max_error(got: tuple, want: tuple) -> float:
     return max((g - w).abs().max().item() for gs, ws in zip(got, want) for g, w in zip(gs, ws))
 
 
-def run_ep(checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0.0,
+def run_ep(checkpoint: str, ep_size: int, microbatch: bool | str, latency_s: float = 0.0,
            low_latency: bool | None = None) -> list[dict]:
     outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, microbatch, latency_s, False, False, 20, low_latency,
                          timeout_s=50)
@@ -123,9 +129,12 @@ def run_ep(checkpoint: str, ep_size: int, microbatch: bool, latency_s: float = 0
 
 @pytest.mark.parametrize("ep_size,microbatch,latency_s,low_latency", [
     (2, False, 0.0, None), (2, True, 0.002, None), (4, True, 0.0, None),  # the uneven exchange
-    (2, True, 0.002, True), (4, False, 0.0, True)])  # the fixed-capacity exchange
+    (2, True, 0.002, True), (4, False, 0.0, True),  # the fixed-capacity exchange
+    (2, "two_batch", 0.002, None), (4, "two_batch", 0.0, True)])  # two-batch overlap: both exchanges
 def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s, low_latency):
     ranks = run_ep(checkpoint, ep_size, microbatch, latency_s, low_latency)
+    if microbatch == "two_batch":  # batches of 2+ requests ran as halves; the last steps' 1 request did not
+        assert ranks[0]["halved"].count(4) >= 2 and 1 not in ranks[0]["halved"], ranks[0]["halved"]
     for chunk in CHUNKS:
         for values in ranks:  # every rank ends with the full batch's logits
             error = max_error(values[chunk], reference[chunk])
@@ -249,3 +258,21 @@ def test_deepep_backend_without_deepep_says_what_to_install():
     assert (experts.first, experts.num_local) == (0, 4)
     with pytest.raises(ParallelError, match="DeepEP built from source"):
         runtime.deepep_buffer(16, 8, low_latency=True)
+
+
+def test_interleave_takes_turns_and_returns_each_result():
+    """models/two_batch.py: generators stepped first, second, first, ... until each ends; a
+    shorter one drops out; `drive` runs one alone."""
+    from moespec.models.two_batch import drive, interleave
+    log = []
+
+    def run(name: str, stages: int):
+        for i in range(stages):
+            log.append(f"{name}{i}")
+            yield
+        log.append(f"{name}-end")
+        return name * 2
+
+    assert interleave([run("a", 2), run("b", 3)]) == ["aa", "bb"]
+    assert log == ["a0", "b0", "a1", "b1", "a-end", "b2", "b-end"]
+    assert drive(run("c", 2)) == "cc"

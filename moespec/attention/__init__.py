@@ -1,11 +1,11 @@
 """Attention backends: `torch` (reference, any device) and `flashinfer` (CUDA)."""
 import torch
 
-from moespec.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, LayerKV
+from moespec.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, LayerKV, plan_forward
 from moespec.attention.torch_backend import DenseCausalAttention, TorchPagedAttention
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "LayerKV", "TorchPagedAttention",
-           "DenseCausalAttention", "create_backend"]
+           "DenseCausalAttention", "create_backend", "plan_forward"]
 
 
 def create_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:

@@ -6,6 +6,7 @@ Dv value dim, P pages, S page size.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,22 @@ class AttentionMetadata:
             page_size=self.page_size)
         return sub, rows
 
+    def requests(self, lo: int, hi: int) -> "AttentionMetadata":
+        """Requests [lo, hi) as a batch of their own (their tokens are rows qo_indptr[lo]:qo_indptr[hi]
+        of this one), custom mask included; offsets are read from the host copy where there is one."""
+        host = self.host or self
+        q0, q1 = int(host.qo_indptr[lo]), int(host.qo_indptr[hi])
+        k0, k1 = int(host.kv_indptr[lo]), int(host.kv_indptr[hi])
+        mask = None
+        if self.custom_mask is not None:  # per request q_len x kv_len, one after another
+            sizes = (host.q_lens() * host.kv_lens()).cumsum(0)
+            mask = self.custom_mask[int(sizes[lo - 1]) if lo else 0: int(sizes[hi - 1]) if hi else 0]
+        return AttentionMetadata(
+            qo_indptr=self.qo_indptr[lo:hi + 1] - self.qo_indptr[lo], kv_indptr=self.kv_indptr[lo:hi + 1] - self.kv_indptr[lo],
+            kv_indices=self.kv_indices[k0:k1], kv_last_page_len=self.kv_last_page_len[lo:hi],
+            positions=self.positions[q0:q1], page_size=self.page_size, custom_mask=mask,
+            host=host.requests(lo, hi) if self.host is not None else None)
+
 
 @dataclass
 class LayerKV:
@@ -74,16 +91,55 @@ class AttentionBackend(Protocol):
         ...
 
 
+@dataclass
+class Half:
+    """One microbatch of a two-batch-overlap forward: its requests, their tokens, their own plan."""
+
+    requests: slice  # its requests in the batch
+    rows: slice  # their tokens in the batch
+    backend: AttentionBackend  # planned for its requests alone
+
+
+def plan_forward(backend: AttentionBackend, meta: AttentionMetadata, caches: list[LayerKV] | None,
+                 split: int | None = None) -> "ForwardContext":
+    """Host work for a batch (FlashInfer's plan) -> a context holding a snapshot of the plan (under
+    overlap scheduling the next plan is made while this one runs); `split`: the request where the
+    batch splits in two halves, each also planned alone (two-batch overlap)."""
+    backend.plan(meta)
+    halves = plan_halves(backend, meta, split) if split is not None else None
+    return ForwardContext(copy.copy(backend), caches, halves)
+
+
+def plan_halves(backend: AttentionBackend, meta: AttentionMetadata, split: int) -> list[Half]:
+    """Requests [0, split) and [split, B) planned apart (copies of `backend`), for a forward whose
+    two halves take turns (models/two_batch.py)."""
+    host = meta.host or meta
+    bounds = (0, split, meta.num_requests)
+    halves = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        half = copy.copy(backend)
+        half.plan(meta.requests(lo, hi))
+        halves.append(Half(slice(lo, hi), slice(int(host.qo_indptr[lo]), int(host.qo_indptr[hi])), half))
+    return halves
+
+
 class ForwardContext:
     """What a model needs for one forward: a planned backend and the model's own KV cache.
 
     The target and its draft share one plan (same page ids) and differ only in `caches`.
+    `halves`: the batch split in two microbatches, each planned alone; a model that supports it
+    runs them in turns (two-batch overlap), otherwise it uses `backend`.
     """
 
-    def __init__(self, backend: AttentionBackend, caches: list[LayerKV] | None) -> None:
+    def __init__(self, backend: AttentionBackend, caches: list[LayerKV] | None,
+                 halves: list[Half] | None = None) -> None:
         self.backend = backend
         self.caches = caches
+        self.halves = halves
         self.static = None  # static_step.StaticBatch: the padded batch a compiled step runs instead
+
+    def half(self, index: int) -> "ForwardContext":
+        return ForwardContext(self.halves[index].backend, self.caches)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                scale: float, v_dim: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moespec.attention import ForwardContext, create_backend
+from moespec.attention import ForwardContext, create_backend, plan_forward
 from moespec.batch import Batch, Span, pack_spans
 from moespec.scheduler import ScheduledChunk
 from moespec.sequence import Sequence
@@ -256,10 +256,10 @@ class MTPSpeculator(Speculator):
         """MTP layer over a batch (writes its KV) -> hidden [T, M]; `target_ctx`: the verify
         re-run reuses the target forward's plan."""
         if target_ctx is None:
-            self.backend.plan(batch.attention_metadata())
-            ctx = ForwardContext(self.backend, self.caches)
+            split = self.sync.two_batch_split(batch) if self.sync else None
+            ctx = plan_forward(self.backend, batch.attention_metadata(), self.caches, split)
         else:
-            ctx = ForwardContext(target_ctx.backend, self.caches)
+            ctx = ForwardContext(target_ctx.backend, self.caches, target_ctx.halves)
         with self.sync.mtp(batch) if self.sync else contextlib.nullcontext():
             return self.mtp.forward_mtp(0, token_ids, hidden, batch.positions, ctx)
 
