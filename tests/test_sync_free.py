@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moespec.attention import ForwardContext, TorchPagedAttention
+from moespec.attention import TorchPagedAttention, plan_forward
 from moespec.batch import Span, pack_spans
 from moespec.config import ParallelSection
 from moespec.kv_cache import KVCache
@@ -36,24 +36,25 @@ def deepseek_on_meta(runtime: EPRuntime, layers: int = 5) -> torch.nn.Module:
     return build_model(config, torch.bfloat16, "meta", "fp8", experts_factory=experts)
 
 
-def plan_on_host(spans: list[Span], mode: str):
-    """The batch and its attention plan built on the host, then moved to the device (meta)."""
+def plan_on_host(spans: list[Span], mode: str, caches: list, runtime: EPRuntime | None):
+    """The batch and its attention plan (each half's too, under two-batch overlap) built on the
+    host, then moved to the device (meta)."""
     batch = pack_spans(spans, PAGE, mode, sampled=[True] * len(spans) if mode != "verify" else None)
-    backend = TorchPagedAttention()
-    backend.plan(batch.attention_metadata())
-    backend.slots = backend.slots.to("meta")
-    for group in backend.groups:
-        for name in ("rows", "kv_slots", "mask", "out_index"):
-            if getattr(group, name) is not None:
-                setattr(group, name, getattr(group, name).to("meta"))
-    return batch.to("meta"), backend
+    split = runtime.two_batch_split(batch.qo_bounds) if runtime else None
+    ctx = plan_forward(TorchPagedAttention(), batch.attention_metadata(), caches, split)
+    for backend in [ctx.backend] + [half.backend for half in ctx.halves or ()]:
+        backend.slots = backend.slots.to("meta")
+        for group in backend.groups:
+            for name in ("rows", "kv_slots", "mask", "out_index"):
+                if getattr(group, name) is not None:
+                    setattr(group, name, getattr(group, name).to("meta"))
+    return batch.to("meta"), ctx
 
 
 def run_forwards(model, runtime: EPRuntime | None, mode: str, tokens_per_request: int) -> torch.Tensor:
     cache = KVCache(model.kv_cache_spec(), 64, PAGE, torch.bfloat16, "meta")
     spans = [Span([3 * b, 3 * b + 1, 3 * b + 2], 100 + 17 * b, [5] * tokens_per_request) for b in range(6)]
-    batch, backend = plan_on_host(spans, mode)
-    ctx = ForwardContext(backend, cache.layers)
+    batch, ctx = plan_on_host(spans, mode, cache.layers, runtime)
     step = runtime.step(batch.qo_bounds, low_latency=True) if runtime else torch.no_grad()
     with torch.inference_mode(), step:
         hidden = model(batch.input_ids, batch.positions, ctx)
@@ -71,11 +72,18 @@ def runtime():
     runtime.close()
 
 
-@pytest.mark.parametrize("mode,tokens", [("decode", 1), ("verify", 2), ("verify", 3)])
-def test_deepseek_forward_reads_nothing_on_the_host(runtime, mode, tokens):
-    model = deepseek_on_meta(runtime)
-    logits = run_forwards(model, runtime, mode, tokens)
+@pytest.mark.parametrize("mode,tokens,two_batch", [("decode", 1, False), ("verify", 2, False), ("verify", 3, False),
+                                                   ("decode", 1, True), ("verify", 2, True)])
+def test_deepseek_forward_reads_nothing_on_the_host(runtime, mode, tokens, two_batch):
+    """two_batch: the halves take turns through every layer (parallel.two_batch_overlap)."""
+    runtime.two_batch, planned = two_batch, runtime.two_batch_plans
+    try:
+        model = deepseek_on_meta(runtime)
+        logits = run_forwards(model, runtime, mode, tokens)
+    finally:
+        runtime.two_batch = False
     assert logits.device.type == "meta" and logits.shape == (6 if mode == "decode" else 6 * tokens, 129280)
+    assert runtime.two_batch_plans - planned == int(two_batch)  # one plan: the target forward, then the MTP re-run
 
 
 def test_draft_model_forward_reads_nothing_on_the_host():
