@@ -65,10 +65,11 @@ class AttentionMetadata:
         k0, k1 = int(host.kv_indptr[lo]), int(host.kv_indptr[hi])
         mask = None
         if self.custom_mask is not None:  # per request q_len x kv_len, one after another
-            sizes = (host.q_lens() * host.kv_lens()).cumsum(0)
-            mask = self.custom_mask[int(sizes[lo - 1]) if lo else 0: int(sizes[hi - 1]) if hi else 0]
+            ends = [0] + (host.q_lens() * host.kv_lens()).cumsum(0).tolist()  # [B+1]
+            mask = self.custom_mask[ends[lo]:ends[hi]]
         return AttentionMetadata(
-            qo_indptr=self.qo_indptr[lo:hi + 1] - self.qo_indptr[lo], kv_indptr=self.kv_indptr[lo:hi + 1] - self.kv_indptr[lo],
+            qo_indptr=self.qo_indptr[lo:hi + 1] - self.qo_indptr[lo],
+            kv_indptr=self.kv_indptr[lo:hi + 1] - self.kv_indptr[lo],
             kv_indices=self.kv_indices[k0:k1], kv_last_page_len=self.kv_last_page_len[lo:hi],
             positions=self.positions[q0:q1], page_size=self.page_size, custom_mask=mask,
             host=host.requests(lo, hi) if self.host is not None else None)
