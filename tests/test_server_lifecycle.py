@@ -309,12 +309,14 @@ def stream_tokens(url: str, body: dict, results: list, index: int, stop_after: i
     results[index] = (chunks, finish)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_torchrun_dp_serving_spreads_streams_and_frees_pages_on_disconnect(tmp_path, overlap):
+@pytest.mark.parametrize("overlap,two_batch", [(False, False), (True, False), (True, True)],
+                         ids=["serial", "overlap", "overlap+two_batch"])
+def test_torchrun_dp_serving_spreads_streams_and_frees_pages_on_disconnect(tmp_path, overlap, two_batch):
     """`torchrun --nproc-per-node 2 -m moespec serve --config configs/tiny-deepseek-mtp-ep2.yaml`:
     32 concurrent streams complete, both ranks run some; 8 long streams that disconnect early free
     their pages on whichever rank ran them; /health stays OK throughout. Also with
-    scheduler.overlap: each rank agrees on the next step from its helper thread."""
+    scheduler.overlap (each rank agrees on the next step from its helper thread), and with
+    parallel.two_batch_overlap besides (the halves of each forward take turns through its layers)."""
     port, master_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -322,7 +324,8 @@ def test_torchrun_dp_serving_spreads_streams_and_frees_pages_on_disconnect(tmp_p
     torchrun = Path(sys.executable).parent / "torchrun"
     process = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "--master-port", str(master_port), "-m",
                                 "moespec", "serve", "--config", "configs/tiny-deepseek-mtp-ep2.yaml", "--port",
-                                str(port), "--set", f"scheduler.overlap={str(overlap).lower()}"], env=env,
+                                str(port), "--set", f"scheduler.overlap={str(overlap).lower()}",
+                                "--set", f"parallel.two_batch_overlap={str(two_batch).lower()}"], env=env,
                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                start_new_session=True)
     try:
