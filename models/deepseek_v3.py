@@ -208,13 +208,17 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        x = self.attention_block(x, rope, cos_sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attention_block(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                        ctx: ForwardContext) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
 
     def stages(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
                ctx: ForwardContext, first: bool) -> Stages:
         """forward over one microbatch, yielding while its MoE tokens are in flight."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        x = self.attention_block(x, rope, cos_sin, ctx)
         mlp_in = self.post_attention_layernorm(x)
         if isinstance(self.mlp, DeepseekMoE):
             return x + (yield from self.mlp.stages(mlp_in, first))
@@ -245,14 +249,15 @@ class MTPLayer(DeepseekDecoderLayer):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, M]
-        x = super().forward(x, rope, cos_sin, ctx)
+        x = super().forward(self.mix(embeds, hidden), rope, cos_sin, ctx)
         return self.shared_head.norm(x)
+
+    def mix(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, M]
 
     def stages(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext, first: bool) -> Stages:
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, M]
-        x = yield from super().stages(x, rope, cos_sin, ctx, first)
+        x = yield from super().stages(self.mix(embeds, hidden), rope, cos_sin, ctx, first)
         return self.shared_head.norm(x)
 
 

@@ -232,10 +232,8 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
     if ctx.world_size != ctx.ep_size:
         raise ParallelError(f"world size {ctx.world_size} != parallel.ep_size {ctx.ep_size}: run one expert-parallel "
                             "group (one rank per GPU of the group)")
-    p = config.parallel
-    runtime = EPRuntime(ctx, backend=p.moe_backend, microbatch=p.microbatch or p.two_batch_overlap,
-                        max_tokens_per_rank=dispatch_capacity(config), dp=p.attention == "dp",
-                        two_batch=p.two_batch_overlap)
+    runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, max_tokens_per_rank=dispatch_capacity(config))
+    runtime.configure(config.parallel)
     return Ranks(ctx, runtime, Channel.connect(ctx))
 
 

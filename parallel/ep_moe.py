@@ -85,6 +85,14 @@ class EPRuntime:
         finally:
             self.active, self.split, self.low_latency, self.capacity, self.num_tokens = False, None, None, None, None
 
+    def configure(self, parallel) -> None:
+        """Take a config's attention layout and microbatching (its `parallel` section): engines
+        built in turn on the same ranks may differ in them. Two-batch overlap implies microbatching:
+        forwards it does not split, split inside the MoE layers."""
+        self.dp = parallel.attention == "dp"
+        self.microbatch = parallel.microbatch or parallel.two_batch_overlap
+        self.two_batch = parallel.two_batch_overlap
+
     def two_batch_split(self, qo_bounds: Sequence[int]) -> int | None:
         """Two-batch overlap: the request at which a forward over qo_bounds [B+1] (host ints) splits
         into two microbatches that take turns through every layer (the split `step` gives the MoE

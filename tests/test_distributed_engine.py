@@ -105,9 +105,8 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
             if s.get("compile"):  # "eager": dynamo traces the step (the EP layers as opaque ops), no codegen
                 import moespec.static_step as static_step
                 static_step.COMPILE_BACKEND = s["compile"]
-            p, runtime = config.parallel, ranks.runtime
-            runtime.microbatch, runtime.dp = p.microbatch or p.two_batch_overlap, p.attention == "dp"
-            runtime.two_batch, two_batch_before = p.two_batch_overlap, runtime.two_batch_plans
+            runtime, two_batch_before = ranks.runtime, ranks.runtime.two_batch_plans
+            runtime.configure(config.parallel)
             engine = Engine(config, ranks=ranks)
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])

@@ -45,8 +45,9 @@ def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, run
                          page_size: int = 4, low_latency: bool | None = None,
                          halved: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each prompt's target logits [L, V] and MTP logits [L, V] (MTP fed token i+1 at position i),
-    all requests batched per step in chunks of `chunk` tokens each. `halved` gets the steps whose
-    forwards ran as two halves in turns (two-batch overlap)."""
+    all requests batched per step in chunks of `chunk` tokens each. `halved` gets, for each step
+    planned as two halves (two-batch overlap), its request count and whether the forwards ran
+    every layer's attention on each half's own plan, the halves taking turns."""
     allocator = PageAllocator(64, page_size)
     cache = KVCache(model.kv_cache_spec(), 64, page_size, torch.float32)
     pages = [allocator.allocate(allocator.pages_for(len(p))) for p in prompts]
@@ -56,18 +57,37 @@ def paged_target_and_mtp(model, prompts: list[list[int]], chunk: int | None, run
         ids, nxt, meta = build_step(prompts, pages, done, active, chunk or max(map(len, prompts)), page_size)
         split = runtime.two_batch_split(meta.qo_indptr.tolist()) if runtime else None
         ctx = plan_forward(TorchPagedAttention(), meta, cache.layers, split)  # split: two-batch overlap
-        if split is not None and halved is not None:
-            halved.append(len(active))
+        attended = record_attention(ctx) if split is not None else None
         with torch.no_grad(), (runtime.step(meta.qo_indptr.tolist(), low_latency) if runtime else contextlib.nullcontext()):
             hidden = model(ids, meta.positions, ctx)
+            target_calls = list(attended or ())
             logits = model.compute_logits(hidden)
             mtp_logits = model.compute_mtp_logits(0, model.forward_mtp(0, nxt, hidden, meta.positions, ctx))
+        if attended is not None and halved is not None:
+            mtp_calls = attended[len(target_calls):]
+            halved.append((len(active), took_turns(target_calls, model.config.num_hidden_layers)
+                           and sorted(mtp_calls) == [0, 1]))
         qo = meta.qo_indptr.tolist()
         for j, i in enumerate(active):
             target[i].append(logits[qo[j]:qo[j + 1]])
             mtp[i].append(mtp_logits[qo[j]:qo[j + 1]])
             done[i] += qo[j + 1] - qo[j]
     return [torch.cat(t) for t in target], [torch.cat(m) for m in mtp]
+
+
+def record_attention(ctx) -> list:
+    """The plan each attention call of a two-batch forward runs on, in order: "whole", 0 or 1."""
+    calls = []
+    for name, backend in [("whole", ctx.backend)] + [(i, half.backend) for i, half in enumerate(ctx.halves)]:
+        backend.run = lambda *args, run=backend.run, name=name: (calls.append(name), run(*args))[1]
+    return calls
+
+
+def took_turns(calls: list, layers: int) -> bool:
+    """Every layer's attention ran once on each half's plan, none on the whole batch's, and the
+    second half's first layer ran before the first half's last one (the halves took turns)."""
+    last_first = len(calls) - 1 - calls[::-1].index(0) if 0 in calls else -1
+    return calls.count(0) == calls.count(1) == layers and "whole" not in calls and calls.index(1) < last_first
 
 
 def build_step(prompts: list[list[int]], pages: list[list[int]], done: list[int], active: list[int], chunk: int,
@@ -133,8 +153,10 @@ def run_ep(checkpoint: str, ep_size: int, microbatch: bool | str, latency_s: flo
     (2, "two_batch", 0.002, None), (4, "two_batch", 0.0, True)])  # two-batch overlap: both exchanges
 def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s, low_latency):
     ranks = run_ep(checkpoint, ep_size, microbatch, latency_s, low_latency)
-    if microbatch == "two_batch":  # batches of 2+ requests ran as halves; the last steps' 1 request did not
-        assert ranks[0]["halved"].count(4) >= 2 and 1 not in ranks[0]["halved"], ranks[0]["halved"]
+    if microbatch == "two_batch":  # batches of 2+ requests ran as halves in turns; the last steps' 1 request did not
+        requests = [n for n, _ in ranks[0]["halved"]]
+        assert requests.count(4) >= 2 and 1 not in requests, ranks[0]["halved"]
+        assert all(turns for _, turns in ranks[0]["halved"]), ranks[0]["halved"]
     for chunk in CHUNKS:
         for values in ranks:  # every rank ends with the full batch's logits
             error = max_error(values[chunk], reference[chunk])
