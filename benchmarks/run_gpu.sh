@@ -18,6 +18,11 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --set model.device=cuda \
     --modes none,draft:2,draft:4,mtp:1,mtp:2,mtp:3 --set speculation.mtp_head=checkpoints/tiny-llama-mtp-head \
     --batch-sizes 1,4,16 --out "$OUT/spec-tiny-llama.json"
+# Captured steps (model.cuda_graph: CUDA graphs) against eager, side by side, without and with speculation
+$PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=cuda --modes none,mtp:2 \
+    --batch-sizes 1,16 --cuda-graph both --repeats 2 --out "$OUT/graph-tiny-deepseek-v3.json"
+$PY -m moespec bench --config configs/tiny-llama-draft.yaml --set model.device=cuda --modes none,draft:2 \
+    --batch-sizes 1,16 --cuda-graph both --repeats 2 --out "$OUT/graph-tiny-llama.json"
 # Compiled static steps (model.compile) and overlap scheduling against eager, side by side
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=cuda --modes none,mtp:2 \
     --batch-sizes 1,16 --compile both --overlap both --repeats 2 --out "$OUT/compile-tiny-deepseek-v3.json"

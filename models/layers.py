@@ -5,6 +5,7 @@ I intermediate size, V vocab.
 """
 from __future__ import annotations
 
+import contextvars
 import itertools
 import math
 import weakref
@@ -16,6 +17,16 @@ from torch import nn
 
 from moespec.models.fp8 import BLOCK as FP8_BLOCK
 from moespec.models.fp8 import fp8_linear, is_fp8, scale_shape
+
+
+# set while a step runs captured (moespec.static_step.CapturedStep): its graph is replayed as recorded
+CAPTURING = contextvars.ContextVar("moespec_capturing", default=False)
+
+
+def fixed_shapes() -> bool:
+    """Whether this forward runs as a static step, compiled or captured: every shape fixed by the
+    padded batch, nothing read on the host."""
+    return torch.compiler.is_compiling() or CAPTURING.get()
 
 
 class RMSNorm(nn.Module):

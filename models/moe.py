@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moespec.models.fp8 import BLOCK, batched_fp8_linear, expert_linear, grouped_linear, scale_shape
-from moespec.models.layers import PackedWeight, linear, packable
+from moespec.models.layers import PackedWeight, fixed_shapes, linear, packable
 from moespec.models.weights import WeightError
 
 EXPERT_NAME = re.compile(r".*\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
@@ -109,8 +109,8 @@ class LocalExperts(nn.Module):
         packed = self.packed is not None and self.packed[0].applies(x)
         limit = self.dense_packed_pairs_per_expert if packed else self.dense_pairs_per_expert
         few = x.shape[0] * topk_ids.shape[1] <= limit * self.num_local
-        # a compiled step (moespec.static_step) must not read counts on the host: fixed shapes
-        if (few or torch.compiler.is_compiling()) and self.w13_scale_inv is None:
+        # a compiled or captured step (moespec.static_step) must not read counts on the host
+        if fixed_shapes() or (few and self.w13_scale_inv is None):
             dense = self.forward_packed if packed else self.forward_dense
             return dense(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
@@ -138,10 +138,13 @@ class LocalExperts(nn.Module):
         calls, however many experts are hit."""
         T, M = x.shape
         E, I = self.num_local, self.intermediate
-        gate_up = linear(x, self.w13.view(E * 2 * I, M), pad_single_row=self.pad_single_row)  # [T, E*2I]
-        gate, up = gate_up.view(T, E, 2, I).unbind(2)  # [T, E, I] each
-        act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
-        outs = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, M]
+        if self.w13_scale_inv is not None:  # FP8: the block-scaled batched GEMMs of the fixed-capacity layout
+            outs = self.forward_masked(x.expand(E, T, M))  # [E, T, M]
+        else:
+            gate_up = linear(x, self.w13.view(E * 2 * I, M), pad_single_row=self.pad_single_row)  # [T, E*2I]
+            gate, up = gate_up.view(T, E, 2, I).unbind(2)  # [T, E, I] each
+            act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+            outs = torch.bmm(act, self.w2.transpose(1, 2))  # [E, T, M]
         picks = (topk_ids - self.first).t()[:, :, None].expand(-1, -1, M)  # [A, T, M]
         chosen = outs.gather(0, picks)  # [A, T, M]
         return (chosen * topk_weights.t()[:, :, None]).sum(0)  # [T, M]
@@ -175,7 +178,7 @@ class LocalExperts(nn.Module):
         weighted = y * topk_weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted)  # [T, M]
 
-    def forward_masked(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward_masked(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """The fixed-capacity layout: x [L, N, M] holds each local expert's rows, the first
         counts[e] valid -> unweighted outputs [L, N, M] (rows past a count are left as computed:
         nobody reads them). Every expert runs all N rows, one batched matmul per projection, so

@@ -28,7 +28,9 @@ the share of prompt tokens served from the cache and the accept length of each.
 
 --compile both runs every mode eager and with static steps compiled (model.compile; labelled
 `<mode>/compiled`) side by side; the compiling happens before the measurement (Engine.warm_up,
-every bucket up to the batch size) and its time is reported as compile_s. --overlap both
+every bucket up to the batch size) and its time is reported as compile_s. --cuda-graph both
+does the same for captured steps (model.cuda_graph, `<mode>/graph`: CUDA graphs on a GPU; on
+a CPU each replay re-runs the step under a check, a test rather than a speed-up). --overlap both
 does the same for overlap scheduling (`<mode>/overlap`), and every row reports its decode and
 verify steps' wall time (step_ms) and the share of their host + device time that ran beside
 the device (host_hidden_share: the next step's preparation under overlap; 0 without).
@@ -79,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static steps through torch.compile (model.compile); both: every mode compiled and "
                              "eager side by side (compiled: labelled <mode>/compiled); compiling happens in the "
                              "warm-up and is reported as compile_s")
+    parser.add_argument("--cuda-graph", choices=["config", "on", "off", "both"], default="config",
+                        help="static steps captured once per bucket and replayed (model.cuda_graph; CUDA graphs on "
+                             "a GPU); both: labelled <mode>/graph; capturing happens in the warm-up (compile_s)")
     parser.add_argument("--overlap", choices=["config", "on", "off", "both"], default="config",
                         help="overlap scheduling (scheduler.overlap); both: labelled <mode>/overlap; modes with "
                              "speculation run without it (not supported yet)")
@@ -268,20 +273,22 @@ def run(args: argparse.Namespace) -> int:
 
     caching = switch_values(args.prefix_caching, base.cache.prefix_caching)
     compiling = switch_values(args.compile, base.model.compile)
+    capturing = switch_values(args.cuda_graph, base.model.cuda_graph)
     overlapping = switch_values(args.overlap, base.scheduler.overlap)
     variants = [(label + ("/no-cache" if args.prefix_caching == "both" and not on else "")
                  + ("/compiled" if args.compile == "both" and compiled else "")
-                 + ("/overlap" if args.overlap == "both" and overlap else ""), spec, on, compiled, overlap)
-                for label, spec in modes for on in caching for compiled in compiling
+                 + ("/graph" if args.cuda_graph == "both" and captured else "")
+                 + ("/overlap" if args.overlap == "both" and overlap else ""), spec, on, compiled, captured, overlap)
+                for label, spec in modes for on in caching for compiled in compiling for captured in capturing
                 for overlap in overlapping]
 
     def build_engines(batch: int) -> dict:
         engines = {}
-        for label, spec, on, compiled, overlap in variants:
+        for label, spec, on, compiled, captured, overlap in variants:
             scheduler = replace(base.scheduler, max_num_seqs=batch, overlap=overlap)
             fields = {**vars(base.speculation), "adaptive": args.adaptive == "on", **spec}  # *-tree:auto adapts
             engines[label] = LLM(config=replace(base, scheduler=scheduler, cache=replace(base.cache, prefix_caching=on),
-                                                model=replace(base.model, compile=compiled),
+                                                model=replace(base.model, compile=compiled, cuda_graph=captured),
                                                 speculation=replace(base.speculation, **fields)))
         return engines
 
@@ -340,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
-              "overlap": args.overlap,
+              "cuda_graph": args.cuda_graph, "overlap": args.overlap,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
               "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}

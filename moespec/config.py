@@ -37,6 +37,10 @@ class ModelSection:
     # run through torch.compile (moespec.static_step); each bucket compiles on first use
     compile: bool = False
     compile_batch_sizes: list[int] | None = None  # the buckets; default 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    # the same static steps captured once per bucket (CUDA graphs, sharing one memory pool) at
+    # start-up and replayed; off CUDA each replay re-runs the step, checked against the capture
+    # (a test of the capture, slower than eager). Off by default until measured on a GPU.
+    cuda_graph: bool = False
     # CPU only: linear layers and routed experts run oneDNN's GEMM over a second copy of their
     # weights, reordered once at start-up (docs/benchmarks.md, "Packed linears")
     pack_linears: bool = True
@@ -156,6 +160,8 @@ class EngineConfig:
         if self.parallel.two_batch_overlap and self.model.attention_backend != "torch":
             # each half needs a plan of its own; FlashInfer's wrappers hold one plan each
             raise ConfigError("parallel.two_batch_overlap needs model.attention_backend: torch")
+        if self.model.cuda_graph:
+            self.check_cuda_graph()
         if self.speculation.tree is not None and self.speculation.mode != "none":
             self.check_tree()
         for size in self.model.compile_batch_sizes or ():
@@ -163,6 +169,14 @@ class EngineConfig:
         for key in ("step_timeout_s", "drain_timeout_s"):
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
+
+    def check_cuda_graph(self) -> None:
+        if self.model.attention_backend != "torch":
+            # FlashInfer's CUDA-graph wrappers (fixed index buffers, planned before each replay) are not built
+            raise ConfigError("model.cuda_graph needs model.attention_backend: torch")
+        if self.parallel.ep_size > 1:
+            # the expert exchange runs eagerly between the captured parts (collectives, host counts)
+            raise ConfigError("model.cuda_graph needs parallel.ep_size: 1; the expert exchange is not captured")
 
     def check_tree(self) -> None:
         k = self.speculation.num_speculative_tokens
@@ -215,7 +229,8 @@ FLAT_KEYS = {
     "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "draft_model": "draft.model",
     "prefix_caching": "cache.prefix_caching", "enable_prefix_caching": "cache.prefix_caching",
-    "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes", "overlap": "scheduler.overlap",
+    "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes",
+    "cuda_graph": "model.cuda_graph", "overlap": "scheduler.overlap",
     "pack_linears": "model.pack_linears",
 }
 

@@ -42,7 +42,7 @@ from moespec.speculation import (DraftRows, create_speculator, select_rows, veri
 from moespec.speculation.adaptive import SpeculationPolicy
 from moespec.speculation.tree import (DraftTree, TreeResult, TreeShape, compact_path, page_table, path_positions,
                                       tree_mask, walk_tree)
-from moespec.static_step import compile_buckets, mark_kv_dynamic
+from moespec.static_step import mark_kv_dynamic, static_spec
 from moespec.structured import Grammars
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ class Engine:
         self.allocator = PageAllocator(c.cache.num_kv_pages, c.cache.page_size)
         self.max_model_len = self.resolve_max_model_len()
         self.runner = ModelRunner(self.model, c.cache.num_kv_pages, c.cache.page_size, c.model.attention_backend,
-                                  c.model.device, compile_buckets=compile_buckets(c), pack=c.model.pack_linears)
+                                  c.model.device, static=static_spec(c, self.max_model_len),
+                                  pack=c.model.pack_linears)
         self.speculator = create_speculator(c, self.model, self.runner)
         self.scheduler = Scheduler(c.scheduler, self.allocator, self.max_model_len, self.page_keys(), self.speculator)
         self.lockstep: Lockstep | None = None
@@ -244,15 +245,15 @@ class Engine:
             self.step()
 
     def warm_up(self) -> float:
-        """With model.compile: compile the static steps of every bucket now (decode, verify at
-        each draft length, the draft model's decode, the MTP layer's re-run and chain steps), so
-        no serving step stalls on a compile.
+        """With model.compile or model.cuda_graph: compile or capture the static steps of every
+        bucket now (decode, verify at each draft length, the draft model's decode, the MTP layer's
+        re-run and chain steps), so no serving step stalls on a compile or a capture.
         Returns the seconds it took."""
         k = self.speculator.max_tokens
         shapes = [("decode", 1, 1)] + [("verify", 1 + j, 1 + j) for j in range(1, k + 1)]
         seconds = self.runner.warm_up(shapes) + self.speculator.warm_up()
         if seconds:
-            logger.info("compiled the static steps in %.1f s", seconds)
+            logger.info("prepared the static steps in %.1f s", seconds)
         return seconds
 
     def page_keys(self) -> PageKeys | None:

@@ -18,7 +18,7 @@ from moespec.attention import ForwardContext, create_backend, plan_forward
 from moespec.batch import Batch
 from moespec.kv_cache import KVCache
 from moespec.models.layers import pack_linears, reserve_rope_positions
-from moespec.static_step import StaticSteps, model_step
+from moespec.static_step import StaticSpec, StaticSteps, model_step
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -46,22 +46,23 @@ def set_single_row_padding(model: nn.Module, pad: bool) -> None:
 class ModelRunner:
     def __init__(self, model: nn.Module, num_pages: int, page_size: int, attention_backend: str = "torch",
                  device: str | torch.device = "cpu", weights_stream: bool | None = None,
-                 compile_buckets: tuple[int, ...] = (), pack: bool = False) -> None:
+                 static: StaticSpec | None = None, pack: bool = False) -> None:
         """`weights_stream`: whether the weights are read from memory at each forward rather than
         from cache; None decides by size (larger than the last-level cache). A draft model runs
-        between target forwards that evict it, so its speculator passes True. `compile_buckets`:
-        batch sizes that uniform batches are padded to and run compiled (moespec.static_step);
+        between target forwards that evict it, so its speculator passes True. `static`: uniform
+        batches are padded to its batch sizes and run compiled or captured (moespec.static_step);
         the cache then has one more page, the padded requests' scratch page. `pack`: on the CPU,
         linears run over weights packed for oneDNN (layers.Linear.pack, model.pack_linears)."""
         self.model = model
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        scratch = 1 if compile_buckets else 0
+        self.static_spec = static
+        scratch = 1 if static else 0
         self.cache = KVCache(model.kv_cache_spec(), num_pages + scratch, page_size, self.dtype, self.device)
         reserve_rope_positions(model, (num_pages + scratch) * page_size)  # every position the cache can hold
         self.backend = create_backend(attention_backend, self.device)
         self.static = (StaticSteps(functools.partial(model_step, model), self.cache.layers, attention_backend,
-                                   self.device, compile_buckets, num_pages, page_size) if compile_buckets else None)
+                                   self.device, static, num_pages, page_size) if static else None)
         self.sync = None  # distributed.Lockstep when experts are sharded over ranks
         if weights_stream is None:
             weights_stream = weight_bytes(model) > last_level_cache_bytes()
@@ -82,8 +83,8 @@ class ModelRunner:
         return plan_forward(self.backend, batch.attention_metadata(), self.cache.layers, split)
 
     def warm_up(self, shapes: list[tuple[str, int, int]]) -> float:
-        """Compile the static steps (mode, Q, sampled rows per request) of every bucket now;
-        returns the seconds it took (0 without model.compile)."""
+        """Compile or capture the static steps (mode, Q, sampled rows per request) of every
+        bucket now; returns the seconds it took (0 without static steps)."""
         if self.static is None:
             return 0.0
         start = time.perf_counter()

@@ -12,6 +12,10 @@ compiles every shape that can run, and serving then compiles nothing: dynamo gua
 shapes (whether a tensor was made in inference mode), so plans never are inference tensors and
 the compiled step's token ids always are.
 
+With `model.cuda_graph` each shape is instead captured once and replayed (`CapturedStep`: a
+CUDA graph on CUDA, a checked replay elsewhere, moespec.capture): its inputs and plan are copied
+into buffers of its own before each replay, and the plan covers a fixed KV length.
+
 The attention backend plans the padded batch outside the compiled region (as FlashInfer's
 CUDA-graph wrappers plan outside capture). The static backend is separate from the runner's
 own, which still plans the real batch: the MTP layer's re-run over a verify batch reuses that plan.
@@ -31,6 +35,8 @@ from torch import nn
 
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch, pack_spans
+from moespec.capture import CaptureError, new_graphs
+from moespec.models.layers import CAPTURING
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +51,25 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-def compile_buckets(config) -> tuple[int, ...]:
-    """The batch sizes static steps pad to (none: model.compile is off)."""
-    if not config.model.compile:
-        return ()
-    return tuple(sorted(set(config.model.compile_batch_sizes or batch_buckets(config.scheduler.max_num_seqs))))
+@dataclass(frozen=True)
+class StaticSpec:
+    """How uniform batches run static (`model.compile`, `model.cuda_graph`)."""
+
+    buckets: tuple[int, ...]  # the batch sizes they are padded to
+    compile: bool = True  # through torch.compile
+    capture: bool = False  # captured once per shape and replayed (CapturedStep)
+    kv_capacity: int = 0  # captured: the KV positions every request's plan covers (a graph's shapes are fixed)
+
+
+def static_spec(config, max_model_len: int) -> StaticSpec | None:
+    """The config's static steps (None: model.compile and model.cuda_graph are off). A captured
+    step plans every request over max_model_len positions, rounded up to whole pages."""
+    m = config.model
+    if not (m.compile or m.cuda_graph):
+        return None
+    buckets = tuple(sorted(set(m.compile_batch_sizes or batch_buckets(config.scheduler.max_num_seqs))))
+    S = config.cache.page_size
+    return StaticSpec(buckets, m.compile, m.cuda_graph, -(-max_model_len // S) * S if m.cuda_graph else 0)
 
 
 def model_step(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
@@ -118,30 +138,34 @@ def pad_batch(batch: Batch, size: int, scratch_page: int, shape: tuple[int, int]
 
 
 class StaticSteps:
-    """The compiled step of one model (`step`: model_step, mtp_step), its own attention backend,
-    and the buckets it pads to."""
+    """The static step of one model (`step`: model_step, mtp_step), compiled or captured per
+    shape, its own attention backend, and the buckets it pads to."""
 
-    def __init__(self, step, caches: list, attention_backend: str, device: torch.device,
-                 buckets: tuple[int, ...], scratch_page: int, page_size: int,
-                 input_hidden: tuple[int, torch.dtype] | None = None) -> None:
+    def __init__(self, step, caches: list, attention_backend: str, device: torch.device, spec: StaticSpec,
+                 scratch_page: int, page_size: int, input_hidden: tuple[int, torch.dtype] | None = None) -> None:
         """`input_hidden`: (M, dtype) of the hidden states an MTP step takes as input."""
-        self.step, self.input_hidden = step, input_hidden
-        self.buckets = tuple(sorted(buckets))
+        self.step, self.input_hidden, self.spec = step, input_hidden, spec
+        self.buckets = tuple(sorted(spec.buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
+        if spec.capture:
+            self.backend.kv_capacity = spec.kv_capacity
         self.caches = caches
-        self.compile_s = 0.0  # wall time of calls that compiled
+        self.compile_s = 0.0  # wall time of calls that compiled or captured
         self.compiled: dict[tuple[int, int, int], object] = {}  # (B, T, N) -> its compiled step (`compiled_for`)
+        self.captured: dict[tuple[int, int, int], CapturedStep] = {}  # (B, T, N) -> its captured step
+        self.graphs = new_graphs(device) if spec.capture else None
 
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
-        """(B, T, N) of the steps compiled so far."""
-        return set(self.compiled)
+        """(B, T, N) of the steps compiled or captured so far."""
+        return set(self.compiled) | set(self.captured)
 
     @torch.inference_mode(False)
     def plan(self, batch: Batch) -> StaticBatch | None:
         """Pad and plan (host work, outside the compiled region); None: run eager (not a
-        uniform batch, queries that overflow the scratch page, or larger than every bucket).
+        uniform batch, queries that overflow the scratch page, larger than every bucket, or, when
+        captured, KV longer than the captured plan covers).
         Never inference tensors, wherever it is called from (an MTP chain step plans inside
         inference mode, a verify batch outside): the compiled step guards on the difference,
         and would compile each bucket again."""
@@ -150,6 +174,8 @@ class StaticSteps:
             return None
         if batch.mode == "draft_extend" and shape[0] > 1:  # a draft's catch-up over tokens it has not seen
             return None  # (any count): eager, so that serving compiles only what the warm-up did
+        if self.spec.capture and int((batch.host or batch).positions.max()) >= self.spec.kv_capacity:
+            return None
         B = len(batch.qo_bounds) - 1
         i = bisect.bisect_left(self.buckets, B)
         if i == len(self.buckets):
@@ -160,7 +186,8 @@ class StaticSteps:
     @torch.inference_mode(False)
     def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int) -> StaticBatch:
         self.backend.plan(padded.attention_metadata())
-        mark_kv_dynamic(self.backend)
+        if not self.spec.capture:
+            mark_kv_dynamic(self.backend)
         return StaticBatch(padded, num_requests, num_tokens, num_sampled,
                            ForwardContext(copy.copy(self.backend), self.caches))
 
@@ -171,10 +198,11 @@ class StaticSteps:
                            ForwardContext(static.ctx.backend, self.caches))
 
     def warm_up(self, shapes: list[tuple[str, int, int]], one_row_each: bool = False) -> None:
-        """Compile every bucket for each (mode, Q, sampled rows per request) now, on batches of
-        padded requests alone, rather than at a serving step (`one_row_each`: as `forward` with
-        `rows`, the MTP layer's verify re-run)."""
-        for size in self.buckets:
+        """Compile or capture every bucket for each (mode, Q, sampled rows per request) now, on
+        batches of padded requests alone, rather than at a serving step (`one_row_each`: as
+        `forward` with `rows`, the MTP layer's verify re-run). The largest bucket first: captured
+        graphs share one memory pool, which the smaller ones then reuse."""
+        for size in reversed(self.buckets):
             for mode, Q, per in shapes:
                 if Q > self.page_size:
                     continue
@@ -202,12 +230,17 @@ class StaticSteps:
         if rows is not None:  # one row per request: the padded requests' last rows
             sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
         shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel())
-        start = time.perf_counter() if shape not in self.compiled else None
-        hidden, logits = self.compiled_for(shape)(ids, b.positions, sample, static.ctx, hidden)
+        start = time.perf_counter() if shape not in self.shapes else None
+        inputs = (ids, b.positions, sample, static.ctx, hidden)
+        if self.spec.capture:
+            hidden, logits = self.captured_for(shape, inputs).replay(*inputs)
+        else:
+            hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
             self.compile_s += time.perf_counter() - start
-            logger.info("compiled the static step for %d requests x %d tokens in %.1f s", shape[0],
-                        shape[1] // shape[0], time.perf_counter() - start)
+            logger.info("%s the static step for %d requests x %d tokens in %.1f s",
+                        "captured" if self.spec.capture else "compiled", shape[0], shape[1] // shape[0],
+                        time.perf_counter() - start)
         return hidden[:T], logits[:num_sampled]
 
     def compiled_for(self, shape: tuple[int, int, int]):
@@ -223,9 +256,53 @@ class StaticSteps:
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         return self.compiled[shape]
 
+    def captured_for(self, shape: tuple[int, int, int], inputs: tuple) -> CapturedStep:
+        """The captured step of one shape, captured now from these inputs if it is new (the
+        compiled step when model.compile is on too)."""
+        if shape not in self.captured:
+            run = self.compiled_for(shape) if self.spec.compile else self.run_model
+            self.captured[shape] = CapturedStep(run, inputs, self.graphs)
+        return self.captured[shape]
+
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
                   ctx: ForwardContext, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.step(input_ids, positions, sample_indices, ctx, hidden)
+
+
+class CapturedStep:
+    """One shape's step captured once and replayed: input buffers of its own (token ids,
+    positions, sampled rows, an MTP step's input hidden states, the attention plan) that each
+    replay refills in place, the graph, and its outputs. The model's weights and KV cache are
+    read where they are."""
+
+    def __init__(self, run, inputs: tuple, graphs) -> None:
+        ids, positions, sample, ctx, hidden = inputs
+        self.buffers = [t.clone() for t in (ids, positions, sample) + ((hidden,) if hidden is not None else ())]
+        self.backend = ctx.backend.static_plan()  # the plan's tensors, at addresses of their own
+        fixed = ForwardContext(self.backend, ctx.caches)
+        args = (*self.buffers[:3], fixed, self.buffers[3] if hidden is not None else None)
+        self.graph = graphs.capture(lambda: run_captured(run, args))
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, ctx: ForwardContext,
+               hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden [T, M], logits [N, V]) of this step's inputs, copies of the graph's outputs
+        (the next replay overwrites those)."""
+        names = ("token ids", "positions", "sampled rows", "input hidden states")
+        for name, buffer, value in zip(names, self.buffers, (ids, positions, sample, hidden)):
+            if buffer.shape != value.shape:
+                raise CaptureError(f"{name} {tuple(value.shape)} differ from the captured {tuple(buffer.shape)}")
+            buffer.copy_(value)
+        self.backend.load_plan(ctx.backend)
+        return tuple(out.clone() for out in self.graph.replay())
+
+
+def run_captured(run, args: tuple):
+    """The step as it is captured (and, off CUDA, replayed): the model takes its fixed-shape paths."""
+    token = CAPTURING.set(True)
+    try:
+        return run(*args)
+    finally:
+        CAPTURING.reset(token)
 
 
 def mark_kv_dynamic(backend) -> None:

@@ -84,22 +84,34 @@ def test_paged_attention_matches_direct_computation(mla):
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("lengths", [[7], [8], [5, 12, 1]])
 @pytest.mark.parametrize("Q", [1, 3])
-def test_uniform_plan_matches_direct_computation(mla, lengths, Q):
+@pytest.mark.parametrize("capacity", [0, 40])
+def test_uniform_plan_matches_direct_computation(mla, lengths, Q, capacity):
     """Batches where every request has Q queries (decode, verify) take the uniform plan: one
-    group, causal within the new tokens, no mask at all for a single decode query."""
+    group, causal within the new tokens, no mask at all for a single decode query. With a KV
+    capacity (captured steps) every request reads that many positions, the rest masked, and a
+    captured copy of the plan refilled in place attends the same."""
     torch.manual_seed(1)
     H, Hk, D, Dv = (4, 1, 12, 8) if mla else (4, 2, 8, 8)
     cache = LayerKV(torch.zeros(32, S, Hk, D), None if mla else torch.zeros(32, S, Hk, Dv))
     pages = [list(range(8 * b + 7, 8 * b - 1, -1)) for b in range(len(lengths))]
     all_k = [torch.randn(n + Q, Hk, D) for n in lengths]
     all_v = [k[..., :Dv] if mla else torch.randn(k.shape[0], Hk, Dv) for k in all_k]
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(capacity)
     backend.plan(metadata([(0, n) for n in lengths], pages))
     backend.run(torch.randn(sum(lengths), H, D), torch.cat([k[:-Q] for k in all_k]),
                 None if mla else torch.cat([v[:-Q] for v in all_v]), cache, 0.3, Dv)
     backend.plan(metadata([(n, Q) for n in lengths], pages))
     assert len(backend.groups) == 1 and backend.groups[0].shape == (len(lengths), Q)
-    assert (backend.groups[0].mask is None) == (len(lengths) == Q == 1)
+    assert (backend.groups[0].mask is None) == (len(lengths) == Q == 1 and not capacity)
+    if capacity:
+        assert backend.groups[0].kv_slots.shape == (len(lengths), capacity)
+        captured = TorchPagedAttention(capacity)
+        captured.plan(metadata([(n - 1, Q) for n in lengths], pages))  # another step's plan, same shapes
+        captured = captured.static_plan()
+        tensors = [t.data_ptr() for t in captured.plan_tensors()]
+        captured.load_plan(backend)
+        assert [t.data_ptr() for t in captured.plan_tensors()] == tensors
+        backend = captured
     q = torch.randn(len(lengths) * Q, H, D)
     out = backend.run(q, torch.cat([k[-Q:] for k in all_k]), None if mla else torch.cat([v[-Q:] for v in all_v]),
                       cache, 0.3, Dv)

@@ -76,6 +76,15 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
     for e in range(3):
         assert torch.allclose(got[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+    # captured (a static step), every expert runs over every token: a replay with other routing
+    # runs the same ops (the grouped path sizes its GEMMs by per-expert counts read on the host)
+    from moespec.capture import CheckedReplay
+    from moespec.static_step import run_captured
+    tokens, ids = x[0], torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))
+    replay = CheckedReplay(lambda: (run_captured(experts, (tokens, ids, weights)),))
+    ids.copy_(torch.tensor([[1, 2], [1, 0], [1, 2], [1, 0], [2, 0]]))
+    assert torch.allclose(replay.replay()[0], experts.forward_grouped(tokens, ids, weights), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- a model kept in FP8

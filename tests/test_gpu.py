@@ -4,7 +4,8 @@ needing FlashInfer or DeepEP skipped without them.
 - FlashInfer attention equals the torch backend for prefill, decode, verify and MLA.
 - The fixed-capacity exchange on one GPU (over NCCL) equals the same exchange on CPU, and
   DeepEP's low-latency kernels (when installed) equal both.
-- Greedy output of every speculation mode on CUDA equals no speculation.
+- Greedy output of every speculation mode on CUDA equals no speculation, and compiled, captured
+  (CUDA graphs) and overlapped steps equal the plain engine.
 """
 import importlib.util
 import os
@@ -133,9 +134,14 @@ def test_greedy_identity_of_every_speculation_mode_on_cuda(model, spec):
     ("checkpoints/tiny-deepseek-v3", {"mode": "none"}, {"overlap": True}),
     ("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 2}, {"compile": True}),
     ("checkpoints/tiny-llama", {"mode": "none"}, {"compile": True, "overlap": True}),
+    ("checkpoints/tiny-deepseek-v3", {"mode": "none"}, {"cuda_graph": True}),
+    ("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 2},
+     {"cuda_graph": True, "overlap": True}),
+    ("checkpoints/tiny-llama", {"mode": "none"}, {"cuda_graph": True}),
 ])
 def test_compiled_and_overlapped_steps_on_cuda_give_the_same_tokens(model, spec, options):
-    """model.compile (torch.compile on CUDA) and scheduler.overlap against the plain engine."""
+    """model.compile (torch.compile on CUDA), model.cuda_graph (CUDA graphs) and scheduler.overlap
+    against the plain engine."""
     from moespec import LLM, SamplingParams
     from moespec.bench import heldout_prompts
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -146,3 +152,7 @@ def test_compiled_and_overlapped_steps_on_cuda_give_the_same_tokens(model, spec,
     other = LLM(model=path, device="cuda", speculation=spec, max_num_seqs=4, compile_batch_sizes=[4], **options)
     other.engine.warm_up()
     assert [o.token_ids for o in other.generate(prompts, greedy, use_tqdm=False)] == want
+    if options.get("cuda_graph"):
+        from moespec.capture import CudaReplay
+        captured = other.engine.runner.static.captured
+        assert captured and all(isinstance(step.graph, CudaReplay) for step in captured.values())

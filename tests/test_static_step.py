@@ -13,7 +13,7 @@ from moespec.batch import Span, pack_spans
 from moespec.config import ConfigError, build_config
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model
-from moespec.static_step import batch_buckets, pad_batch, uniform_shape
+from moespec.static_step import StaticSpec, batch_buckets, pad_batch, uniform_shape
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_static_forward_matches_eager_and_leaves_real_kv_alone(traced, llama_pai
     """Three decode requests padded to four: the same logits and hidden states as eager, the
     same KV in every real page; the padded request wrote only into the scratch page."""
     model = load_model(llama_pair[0], show_progress=False)
-    eager, static = ModelRunner(model, 16, 4), ModelRunner(model, 16, 4, compile_buckets=(1, 4))
+    eager, static = ModelRunner(model, 16, 4), ModelRunner(model, 16, 4, static=StaticSpec((1, 4)))
     assert len(static.cache.layers[0].k) == 17  # the scratch page is page 16
     outputs = []
     for runner in (eager, static):

@@ -27,7 +27,10 @@ class Group:
 
 
 class TorchPagedAttention:
-    def __init__(self) -> None:
+    def __init__(self, kv_capacity: int = 0) -> None:
+        """`kv_capacity`: uniform batches are planned over that many KV positions per request
+        (L fixed, the rest masked), as a captured step's fixed shapes need; 0: the batch's longest."""
+        self.kv_capacity = kv_capacity
         self.slots: torch.Tensor | None = None
         self.groups: list[Group] = []
         self.uniform: tuple[torch.Tensor, torch.Tensor] | None = None  # a uniform plan's q_pos [B, Q], kv_pos [L]
@@ -64,6 +67,13 @@ class TorchPagedAttention:
         speculation: no padding, and the queries at positions p read KV positions 0..p."""
         S, B = meta.page_size, meta.num_requests
         q_pos = meta.positions.view(B, Q)  # [B, Q]
+        if self.kv_capacity:  # fixed L: the causal mask also hides the positions past each request's length
+            kv_pos, _, kv_slots = self.plan_kv_slots(meta, q_pos[:, -1] + 1, self.kv_capacity)  # [L], [B, L]
+            self.slots = kv_slots.gather(1, q_pos).flatten()  # [B*Q]
+            mask = (kv_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Q, L]
+            self.groups = [Group(None, kv_slots, mask, (B, Q), None)]
+            self.uniform = (q_pos, kv_pos)
+            return
         if B == 1:
             kv_pos = torch.arange(int(q_pos[0, -1]) + 1, device=q_pos.device)  # [L]
             kv_slots = (meta.kv_indices[kv_pos // S] * S + kv_pos % S)[None]  # [1, L]
@@ -90,6 +100,32 @@ class TorchPagedAttention:
         self.groups = [Group(None, group.kv_slots, mask, group.shape, None)]
         self.uniform = (q_pos, kv_pos)
 
+    def plan_tensors(self) -> list[torch.Tensor]:
+        """What `run` reads of a uniform plan over a fixed KV length: the slots written [B*Q], the
+        slots read [B, L] and the mask [B, 1, Q, L]. A captured step holds its own set
+        (`static_plan`) and copies each step's plan into it (`load_plan`)."""
+        if self.uniform is None or not self.kv_capacity:
+            raise ValueError("only a uniform plan over a fixed KV length (kv_capacity) has fixed tensors")
+        group = self.groups[0]
+        return [self.slots, group.kv_slots, group.mask]
+
+    def static_plan(self) -> TorchPagedAttention:
+        """A copy of this plan in tensors of its own, which `load_plan` refills in place."""
+        tensors = [t.clone() for t in self.plan_tensors()]
+        fixed = TorchPagedAttention(self.kv_capacity)
+        fixed.slots = tensors[0]
+        fixed.groups = [Group(None, tensors[1], tensors[2], self.groups[0].shape, None)]
+        fixed.uniform = self.uniform
+        return fixed
+
+    def load_plan(self, other: TorchPagedAttention) -> None:
+        """Copy `other`'s plan (the same shapes) into this one's tensors."""
+        names = ("written slots", "read slots", "mask")
+        for name, mine, theirs in zip(names, self.plan_tensors(), other.plan_tensors()):
+            if mine.shape != theirs.shape:
+                raise ValueError(f"plan {name} {tuple(theirs.shape)} differs from the captured {tuple(mine.shape)}")
+            mine.copy_(theirs)
+
     def plan_group(self, meta: AttentionMetadata, rows: torch.Tensor | None) -> Group:
         q_lens, kv_lens = meta.q_lens(), meta.kv_lens()
         B, max_q = meta.num_requests, int(q_lens.max())
@@ -113,11 +149,11 @@ class TorchPagedAttention:
         return Group(rows, kv_slots, mask[:, None], (B, max_q), None if uniform else out_index)
 
     @staticmethod
-    def plan_kv_slots(meta: AttentionMetadata, kv_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def plan_kv_slots(meta: AttentionMetadata, kv_lens: torch.Tensor, length: int = 0) -> tuple[torch.Tensor, ...]:
         """-> KV positions [L], valid [B, L], and the cache row of every KV position each request
-        reads [B, L] (0 past its length); L is the longest KV length."""
+        reads [B, L] (0 past its length); L is `length`, or else the longest KV length."""
         S = meta.page_size
-        kv_pos = torch.arange(int(kv_lens.max()), device=meta.positions.device)  # [L]
+        kv_pos = torch.arange(length or int(kv_lens.max()), device=meta.positions.device)  # [L]
         kv_valid = kv_pos[None, :] < kv_lens[:, None]  # [B, L]
         page_index = (meta.kv_indptr[:-1, None] + kv_pos[None, :] // S).clamp(max=meta.kv_indices.numel() - 1)
         kv_slots = torch.where(kv_valid, meta.kv_indices[page_index] * S + kv_pos % S, 0)  # [B, L]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from moespec.config import EngineConfig, tree_shapes
-from moespec.static_step import compile_buckets
 from moespec.speculation.base import DraftRows, Proposal, Speculator
 from moespec.speculation.verify import VerifyResult, select_rows, verify_greedy, verify_lossless, verify_relaxed
 
@@ -32,7 +31,7 @@ def create_mode(config: EngineConfig, target, target_runner) -> Speculator:
         raise ValueError(f"draft.model vocab_size {draft.config.vocab_size} differs from the target's "
                          f"{target.config.vocab_size}; draft and target must share a tokenizer")
     return DraftModelSpeculator(draft, spec.num_speculative_tokens, cache.num_kv_pages, cache.page_size,
-                                config.model.attention_backend, config.model.device, compile_buckets(config),
+                                config.model.attention_backend, config.model.device, target_runner.static_spec,
                                 config.model.pack_linears)
 
 
@@ -52,7 +51,7 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
         set_single_row_padding(mtp.head, True)  # as for a draft model: target forwards evict its weights
         if config.model.pack_linears:
             pack_linears(mtp.head)
-        scratch = 1 if compile_buckets(config) else 0  # static steps' scratch page
+        scratch = 1 if target_runner.static_spec else 0  # static steps' scratch page
         caches = KVCache(mtp.kv_cache_spec(), cache.num_kv_pages + scratch, cache.page_size, dtype,
                          config.model.device).layers
     else:
@@ -63,4 +62,4 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
     return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
                          target.config.hidden_size, dtype, config.model.device, config.model.attention_backend,
-                         compile_buckets(config), cache.num_kv_pages)
+                         target_runner.static_spec, cache.num_kv_pages)

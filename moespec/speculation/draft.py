@@ -24,10 +24,10 @@ class DraftModelSpeculator(Speculator):
     mode = "draft"
 
     def __init__(self, draft_model, num_tokens: int, num_pages: int, page_size: int, attention_backend: str,
-                 device, compile_buckets: tuple[int, ...] = (), pack: bool = False) -> None:
+                 device, static=None, pack: bool = False) -> None:
         # each target forward evicts the draft's weights: its forwards read them from memory
         self.runner = ModelRunner(draft_model, num_pages, page_size, attention_backend, device, weights_stream=True,
-                                  compile_buckets=compile_buckets, pack=pack)
+                                  static=static, pack=pack)
         self.max_tokens = num_tokens
         self.page_size = page_size
         self.computed: dict[str, int] = {}  # request -> tokens in the draft's KV

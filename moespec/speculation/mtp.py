@@ -59,11 +59,11 @@ class MTPSpeculator(Speculator):
     kv_from_tokens = False  # and from the target's hidden state at p, which a cache hit does not have
 
     def __init__(self, mtp_model, caches, num_tokens: int, max_num_seqs: int, page_size: int, hidden_size: int,
-                 dtype: torch.dtype, device, attention_backend: str = "torch", compile_buckets: tuple[int, ...] = (),
+                 dtype: torch.dtype, device, attention_backend: str = "torch", static=None,
                  num_pages: int = 0) -> None:
         """`mtp_model` offers forward_mtp / compute_mtp_logits; `caches` are the KV layers it writes
         (the target's own cache for a built-in layer, a separate one for an external head).
-        `compile_buckets`: chain steps and the verify re-run run as static steps
+        `static` (static_step.StaticSpec): chain steps and the verify re-run run as static steps
         (moespec.static_step); the caches then hold a scratch page, page `num_pages`."""
         self.mtp, self.caches = mtp_model, caches
         self.max_tokens = num_tokens
@@ -73,8 +73,8 @@ class MTPSpeculator(Speculator):
         self.states: dict[str, MTPState] = {}
         self.sync = None  # distributed.Lockstep when a built-in MTP layer's experts are sharded over ranks
         self.static = (StaticSteps(functools.partial(mtp_step, mtp_model), caches, attention_backend, self.device,
-                                   compile_buckets, num_pages, page_size, input_hidden=(hidden_size, dtype))
-                       if compile_buckets else None)
+                                   static, num_pages, page_size, input_hidden=(hidden_size, dtype))
+                       if static else None)
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
