@@ -14,7 +14,8 @@ the compiled step's token ids always are.
 
 With `model.cuda_graph` each shape is instead captured once and replayed (`CapturedStep`: a
 CUDA graph on CUDA, a checked replay elsewhere, moespec.capture): its inputs and plan are copied
-into buffers of its own before each replay, and the plan covers a fixed KV length.
+into buffers of its own before each replay, and its plan covers a fixed KV length, bucketed like
+the batch sizes (`kv_lengths`).
 
 The attention backend plans the padded batch outside the compiled region (as FlashInfer's
 CUDA-graph wrappers plan outside capture). The static backend is separate from the runner's
@@ -58,12 +59,19 @@ class StaticSpec:
     buckets: tuple[int, ...]  # the batch sizes they are padded to
     compile: bool = True  # through torch.compile
     capture: bool = False  # captured once per shape and replayed (CapturedStep)
-    kv_capacity: int = 0  # captured: the KV positions every request's plan covers (a graph's shapes are fixed)
+    kv_capacity: int = 0  # captured: the most KV positions a request's plan covers (max_model_len, whole pages)
+
+
+def kv_lengths(page_size: int, capacity: int) -> tuple[int, ...]:
+    """The KV lengths a captured step's plan is padded to: the page size doubled until the
+    capacity, and the capacity itself (a graph's shapes are fixed, so each is captured apart)."""
+    sizes = [page_size << i for i in range(capacity.bit_length()) if page_size << i < capacity]
+    return tuple(sizes) + (capacity,)
 
 
 def static_spec(config, max_model_len: int) -> StaticSpec | None:
     """The config's static steps (None: model.compile and model.cuda_graph are off). A captured
-    step plans every request over max_model_len positions, rounded up to whole pages."""
+    step plans its requests over at most max_model_len positions, rounded up to whole pages."""
     m = config.model
     if not (m.compile or m.cuda_graph):
         return None
@@ -96,6 +104,7 @@ class StaticBatch:
     num_tokens: int
     num_sampled: int
     ctx: ForwardContext  # its plan (a snapshot: the next step may be planned while this one runs)
+    kv_length: int = 0  # captured: the KV positions its plan covers per request (0: the batch's longest)
 
 
 def uniform_shape(batch: Batch) -> tuple[int, int] | None:
@@ -148,18 +157,17 @@ class StaticSteps:
         self.buckets = tuple(sorted(spec.buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
-        if spec.capture:
-            self.backend.kv_capacity = spec.kv_capacity
+        self.kv_lengths = kv_lengths(page_size, spec.kv_capacity) if spec.capture else (0,)
         self.caches = caches
         self.compile_s = 0.0  # wall time of calls that compiled or captured
-        self.compiled: dict[tuple[int, int, int], object] = {}  # (B, T, N) -> its compiled step (`compiled_for`)
-        self.captured: dict[tuple[int, int, int], CapturedStep] = {}  # (B, T, N) -> its captured step
+        self.compiled: dict[tuple, object] = {}  # (B, T, N), captured (B, T, N, L) -> its compiled step
+        self.captured: dict[tuple, CapturedStep] = {}  # (B, T, N, L) -> its captured step (`captured_for`)
         self.graphs = new_graphs(device) if spec.capture else None
 
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
         """(B, T, N) of the steps compiled or captured so far."""
-        return set(self.compiled) | set(self.captured)
+        return {shape[:3] for shape in (*self.compiled, *self.captured)}
 
     @torch.inference_mode(False)
     def plan(self, batch: Batch) -> StaticBatch | None:
@@ -174,44 +182,48 @@ class StaticSteps:
             return None
         if batch.mode == "draft_extend" and shape[0] > 1:  # a draft's catch-up over tokens it has not seen
             return None  # (any count): eager, so that serving compiles only what the warm-up did
-        if self.spec.capture and int((batch.host or batch).positions.max()) >= self.spec.kv_capacity:
-            return None
         B = len(batch.qo_bounds) - 1
         i = bisect.bisect_left(self.buckets, B)
-        if i == len(self.buckets):
+        longest = int((batch.host or batch).positions.max()) + 1 if self.spec.capture else 0
+        j = bisect.bisect_left(self.kv_lengths, longest)  # the shortest captured KV length that holds it
+        if i == len(self.buckets) or j == len(self.kv_lengths):
             return None
         return self.plan_padded(pad_batch(batch, self.buckets[i], self.scratch_page, shape), B, batch.num_tokens,
-                                batch.sample_indices.numel())
+                                batch.sample_indices.numel(), self.kv_lengths[j])
 
     @torch.inference_mode(False)
-    def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int) -> StaticBatch:
+    def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int,
+                    kv_length: int = 0) -> StaticBatch:
+        """Plan a padded batch (`kv_length`: over that many KV positions per request, captured)."""
+        self.backend.kv_capacity = kv_length
         self.backend.plan(padded.attention_metadata())
-        if not self.spec.capture:
+        if not kv_length:
             mark_kv_dynamic(self.backend)
         return StaticBatch(padded, num_requests, num_tokens, num_sampled,
-                           ForwardContext(copy.copy(self.backend), self.caches))
+                           ForwardContext(copy.copy(self.backend), self.caches), kv_length)
 
     def reuse(self, static: StaticBatch) -> StaticBatch:
         """Another model's static batch with its plan, on this model's caches (the MTP layer's
         re-run over the target's padded verify batch)."""
         return StaticBatch(static.batch, static.num_requests, static.num_tokens, static.num_sampled,
-                           ForwardContext(static.ctx.backend, self.caches))
+                           ForwardContext(static.ctx.backend, self.caches), static.kv_length)
 
     def warm_up(self, shapes: list[tuple[str, int, int]], one_row_each: bool = False) -> None:
         """Compile or capture every bucket for each (mode, Q, sampled rows per request) now, on
         batches of padded requests alone, rather than at a serving step (`one_row_each`: as
-        `forward` with `rows`, the MTP layer's verify re-run). The largest bucket first: captured
-        graphs share one memory pool, which the smaller ones then reuse."""
+        `forward` with `rows`, the MTP layer's verify re-run), and captured, at every KV length.
+        The largest first: captured graphs share one memory pool, which the smaller ones reuse."""
         for size in reversed(self.buckets):
             for mode, Q, per in shapes:
                 if Q > self.page_size:
                     continue
                 empty = pack_spans([], self.page_size, mode, []).to(self.device)
-                hidden = None if self.input_hidden is None else torch.zeros(0, self.input_hidden[0],
-                                                                            dtype=self.input_hidden[1], device=self.device)
+                hidden = (None if self.input_hidden is None else
+                          torch.zeros(0, self.input_hidden[0], dtype=self.input_hidden[1], device=self.device))
                 rows = torch.zeros(0, dtype=torch.int64, device=self.device) if one_row_each else None
-                self.forward(self.plan_padded(pad_batch(empty, size, self.scratch_page, (Q, per)), 0, 0, 0),
-                             hidden=hidden, rows=rows)
+                for kv_length in reversed(self.kv_lengths):
+                    padded = pad_batch(empty, size, self.scratch_page, (Q, per))
+                    self.forward(self.plan_padded(padded, 0, 0, 0, kv_length), hidden=hidden, rows=rows)
 
     @torch.inference_mode()
     def forward(self, static: StaticBatch, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
@@ -230,17 +242,18 @@ class StaticSteps:
         if rows is not None:  # one row per request: the padded requests' last rows
             sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
         shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel())
-        start = time.perf_counter() if shape not in self.shapes else None
+        key = (*shape, static.kv_length) if self.spec.capture else shape
+        start = time.perf_counter() if key not in self.captured and key not in self.compiled else None
         inputs = (ids, b.positions, sample, static.ctx, hidden)
         if self.spec.capture:
-            hidden, logits = self.captured_for(shape, inputs).replay(*inputs)
+            hidden, logits = self.captured_for(key, inputs).replay(*inputs)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
             self.compile_s += time.perf_counter() - start
-            logger.info("%s the static step for %d requests x %d tokens in %.1f s",
+            logger.info("%s the static step for %d requests x %d tokens (KV length %d) in %.1f s",
                         "captured" if self.spec.capture else "compiled", shape[0], shape[1] // shape[0],
-                        time.perf_counter() - start)
+                        static.kv_length, time.perf_counter() - start)
         return hidden[:T], logits[:num_sampled]
 
     def compiled_for(self, shape: tuple[int, int, int]):
@@ -256,9 +269,9 @@ class StaticSteps:
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
         return self.compiled[shape]
 
-    def captured_for(self, shape: tuple[int, int, int], inputs: tuple) -> CapturedStep:
-        """The captured step of one shape, captured now from these inputs if it is new (the
-        compiled step when model.compile is on too)."""
+    def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple) -> CapturedStep:
+        """The captured step of one shape (B, T, N, KV length), captured now from these inputs
+        if it is new (the compiled step when model.compile is on too)."""
         if shape not in self.captured:
             run = self.compiled_for(shape) if self.spec.compile else self.run_model
             self.captured[shape] = CapturedStep(run, inputs, self.graphs)

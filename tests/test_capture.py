@@ -37,8 +37,8 @@ def test_a_replay_that_differs_from_its_capture_is_caught():
         CheckedReplay(lambda: (buffer[: int(buffer.sum()) % 3 + 1],))
 
 
-def decode_steps(runner, lengths=(6, 7, 8)):
-    """Three decode steps of three requests with L - 1 tokens of KV already there."""
+def decode_steps(runner, lengths=(6, 7, 9)):
+    """Decode steps of three requests, each at position L (L tokens of KV already there)."""
     outputs = []
     for L in lengths:
         spans = [Span([3 * b, 3 * b + 1, 3 * b + 2], L, [10 + b + L]) for b in range(3)]
@@ -49,16 +49,18 @@ def decode_steps(runner, lengths=(6, 7, 8)):
 
 @pytest.mark.parametrize("family", ["llama", "deepseek"])
 def test_captured_steps_match_eager_across_kv_lengths(llama_pair, deepseek_mtp, family):
-    """One capture for bucket 4 replays three steps of growing KV: the same hidden states and
-    logits as eager, every replay checked against the capture."""
+    """Three requests padded to four, at KV lengths 7, 8 and 10: the first two replay the step
+    captured over 8 KV positions, the third the one over 16 (lengths double from the page
+    size); the same hidden states and logits as eager, every replay checked."""
     model = load_model(llama_pair[0] if family == "llama" else deepseek_mtp, show_progress=False)
     eager = ModelRunner(model, 16, 4)
     captured = ModelRunner(model, 16, 4, static=StaticSpec((1, 4), compile=False, capture=True, kv_capacity=64))
+    assert captured.static.kv_lengths == (4, 8, 16, 32, 64)
     for (h0, l0), (h1, l1) in zip(decode_steps(eager), decode_steps(captured)):
         torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
-    (step,) = captured.static.captured.values()
-    assert captured.static.shapes == {(4, 4, 4)} and step.graph.replays == 3
+    steps = captured.static.captured
+    assert {shape: step.graph.replays for shape, step in steps.items()} == {(4, 4, 4, 8): 2, (4, 4, 4, 16): 1}
 
 
 def test_a_plan_passed_anew_or_a_host_read_fails_the_capture(llama_pair, monkeypatch):
@@ -77,11 +79,11 @@ def test_a_plan_passed_anew_or_a_host_read_fails_the_capture(llama_pair, monkeyp
         decode_steps(ModelRunner(model, 16, 4, static=spec))
 
 
-def test_kv_longer_than_the_captured_plan_runs_eager(llama_pair):
+def test_kv_longer_than_the_captured_plans_runs_eager(llama_pair):
     model = load_model(llama_pair[0], show_progress=False)
     runner = ModelRunner(model, 16, 4, static=StaticSpec((4,), compile=False, capture=True, kv_capacity=8))
     batch = pack_spans([Span([0, 1], 7, [5])], 4, "decode", sampled=[True])  # position 7: inside
-    assert runner.plan(batch).static is not None
+    assert runner.plan(batch).static.kv_length == 8
     batch = pack_spans([Span([0, 1, 2], 8, [5])], 4, "decode", sampled=[True])  # position 8: past it
     assert runner.plan(batch).static is None
 
@@ -89,7 +91,8 @@ def test_kv_longer_than_the_captured_plan_runs_eager(llama_pair):
 @pytest.mark.parametrize("mode", ["none", "mtp", "draft", "mtp-head"])
 def test_greedy_identical_with_cuda_graph(deepseek_mtp, llama_pair, tmp_path, mode):
     """Every speculation mode, mixed lengths and chunked prefill: the same tokens with captured
-    steps, which replayed across several buckets (the MTP layer's re-run and chain steps too)."""
+    steps, which replayed across several batch sizes (the MTP layer's re-run and chain steps and
+    the draft's decode too)."""
     path, spec = deepseek_mtp if mode == "mtp" else llama_pair[0], speculation(mode, llama_pair, tmp_path)
     ref, _ = generate(path, BATCH, GREEDY, speculation=spec, max_num_batched_tokens=16)
     got, llm = generate(path, BATCH, GREEDY, speculation=spec, max_num_batched_tokens=16, cuda_graph=True,
@@ -121,7 +124,10 @@ def test_cuda_graph_under_preemption_and_overlap(deepseek_mtp, overlap):
     outs = llm.generate(batch, params, use_tqdm=False)
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == ref
-    assert set(llm.engine.runner.static.captured) == captured  # the warm-up captured every shape served
+    static = llm.engine.runner.static
+    assert set(static.captured) == captured  # the warm-up captured every shape served
+    replayed = {shape[3] for shape, step in static.captured.items() if step.graph.replays}
+    assert len(replayed) > 1  # at several KV lengths
     if overlap:
         assert llm.engine.stats.shifted_steps > 0
 
