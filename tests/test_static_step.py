@@ -154,11 +154,13 @@ def test_greedy_identical_with_compile_under_preemption(traced, deepseek_mtp, mo
     assert [o.token_ids for o in outs] == ref
 
 
-def test_stop_strings_with_compile(traced):
-    """The trained tiny Llama with its tokenizer: text cut at a stop string the same way."""
+@pytest.mark.parametrize("switch", ["compile", "cuda_graph"])
+def test_stop_strings_with_compile(traced, switch):
+    """The trained tiny Llama with its tokenizer: text cut at a stop string the same way, with
+    steps compiled or captured (model.cuda_graph: checked replays on the CPU)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     free, _ = generate("checkpoints/tiny-llama", ["def main():"], params, page_size=8)
-    llm = LLM(model="checkpoints/tiny-llama", page_size=8, num_kv_pages=64, compile=True,
+    llm = LLM(model="checkpoints/tiny-llama", page_size=8, num_kv_pages=64, **{switch: True},
               speculation={"mode": "mtp", "mtp_head": "checkpoints/tiny-llama-mtp-head", "num_speculative_tokens": 2})
     text = llm.get_tokenizer().decode(free[0], skip_special_tokens=True)
     stop = text[len(text) // 2: len(text) // 2 + 3]
@@ -169,15 +171,16 @@ def test_stop_strings_with_compile(traced):
     assert llm.engine.runner.static.shapes
 
 
-def test_sampling_with_compile_follows_the_model(traced, llama_pair):
-    """Random sampling through a padded static step: 600 requests prefill in one step, then
-    decode in one step padded to the bucket of 608; the two tokens follow the model's joint
-    distribution (chi-square over the 3 x 3 cells of top-k 3)."""
+@pytest.mark.parametrize("switch", ["compile", "cuda_graph"])
+def test_sampling_with_compile_follows_the_model(traced, llama_pair, switch):
+    """Random sampling through a padded static step, compiled or captured: 600 requests prefill
+    in one step, then decode in one step padded to the bucket of 608; the two tokens follow the
+    model's joint distribution (chi-square over the 3 x 3 cells of top-k 3)."""
     from reference import exact_joint, joint_pvalue
     prompt, n = prompts([6], seed=7)[0], 600
     params = SamplingParams(temperature=1.5, top_k=3, max_tokens=2, ignore_eos=True)
     llm = LLM(model=llama_pair[0], page_size=4, num_kv_pages=2048, max_num_seqs=n, max_num_batched_tokens=4096,
-              compile=True, compile_batch_sizes=[608])
+              compile_batch_sizes=[608], **{switch: True})
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     assert llm.engine.runner.static.shapes == {(608, 608, 608)}
     assert joint_pvalue(exact_joint(llama_pair[0], prompt, params, 2), [o.token_ids for o in outs]) > 1e-3
