@@ -264,9 +264,11 @@ class StaticSteps:
         model's parameters, the plan and the caches of each entry) took 440 us a call at batch 1
         and 634 us at batch 16 on this CPU (tiny-deepseek-v3, profiled)."""
         if shape not in self.compiled:
-            self.compiled[shape] = torch.compile(
-                self.run_model, backend=COMPILE_BACKEND, dynamic=False, isolate_recompiles=True,
-                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+            options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            if COMPILE_BACKEND == "inductor" and self.device.type == "cpu":
+                options["cpp_wrapper"] = True  # the graph's calls made from C++, not Python (docs/static-steps.md)
+            self.compiled[shape] = torch.compile(self.run_model, backend=COMPILE_BACKEND, dynamic=False,
+                                                 isolate_recompiles=True, options=options)
         return self.compiled[shape]
 
     def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple) -> CapturedStep:

@@ -129,13 +129,15 @@ def test_greedy_identical_with_compile(traced, deepseek_mtp, llama_pair, tmp_pat
         assert llm.engine.spec_stats.steps > 0 and any(s[1] > s[0] for s in shapes)  # verify steps ran static
 
 
-def test_tree_steps_with_compile(traced, deepseek_mtp):
+@pytest.mark.parametrize("switch", ["compile", "cuda_graph"])
+def test_tree_steps_with_compile(traced, deepseek_mtp, switch):
     """A tree's verify and draft levels run eager (tree masks); the MTP re-run over its accepted
-    path, laid out as a chain's verify batch, runs static: the same tokens as without compile."""
+    path, laid out as a chain's verify batch, runs static (compiled or captured): the same tokens
+    as without."""
     spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False,
             "tree": {"top_k": 2, "depth": 2, "num_draft_tokens": 4}}
     ref, _ = generate(deepseek_mtp, BATCH, GREEDY)
-    got, llm = generate(deepseek_mtp, BATCH, GREEDY, speculation=spec, compile=True, compile_batch_sizes=[2, 8])
+    got, llm = generate(deepseek_mtp, BATCH, GREEDY, speculation=spec, compile_batch_sizes=[2, 8], **{switch: True})
     assert got == ref
     assert llm.engine.spec_stats.by_tree["2x2x4"][0] > 0
     assert any(s[1] == 3 * s[0] == 3 * s[2] for s in llm.engine.speculator.static.shapes)  # D+1 rows each
