@@ -21,11 +21,16 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     out = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
                              "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "2",
-                             "--num-prompts", "3", "--waves", "2",
+                             "--num-prompts", "3", "--waves", "2", "--cuda-graph", "both",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"none", "draft:2"}
+    graphs = {label: report["results"].pop(label) for label in ("none/graph", "draft:2/graph")}
+    assert set(report["results"]) == {"none", "draft:2"} and report["cuda_graph"] == "both"
+    # captured steps (checked replays on this CPU): captured in the warm-up, compared with the same switches
+    assert all(r["compile_s"] > 0 and r["tok_s"] > 0 for rows in graphs.values() for r in rows)
+    assert all("speedup_same_switches" in r for r in graphs["draft:2/graph"])
+    assert all(r["compile_s"] == 0 for rows in report["results"].values() for r in rows)
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
         # at least 3 prompts, in turns of 2 x batch size: 4 prompts at batch 1 and at batch 2
