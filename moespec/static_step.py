@@ -76,6 +76,9 @@ def static_spec(config, max_model_len: int) -> StaticSpec | None:
     if not (m.compile or m.cuda_graph):
         return None
     buckets = tuple(sorted(set(m.compile_batch_sizes or batch_buckets(config.scheduler.max_num_seqs))))
+    if m.cuda_graph and not m.device.startswith("cuda"):
+        logger.warning("model.cuda_graph on %s: each replay re-runs the step under a check against its capture "
+                       "(moespec.capture), slower than eager; CUDA graphs need a CUDA device", m.device)
     S = config.cache.page_size
     return StaticSpec(buckets, m.compile, m.cuda_graph, -(-max_model_len // S) * S if m.cuda_graph else 0)
 
@@ -195,7 +198,8 @@ class StaticSteps:
     def plan_padded(self, padded: Batch, num_requests: int, num_tokens: int, num_sampled: int,
                     kv_length: int = 0) -> StaticBatch:
         """Plan a padded batch (`kv_length`: over that many KV positions per request, captured)."""
-        self.backend.kv_capacity = kv_length
+        if self.spec.capture:
+            self.backend.kv_capacity = kv_length
         self.backend.plan(padded.attention_metadata())
         if not kv_length:
             mark_kv_dynamic(self.backend)
