@@ -42,6 +42,9 @@ from moespec.models.layers import CAPTURING
 logger = logging.getLogger(__name__)
 
 STATIC_MODES = ("decode", "verify", "draft_extend")
+# the shortest KV length a captured step's plan covers: shorter batches pay a little padded
+# attention rather than one more graph per batch size and query count
+SMALLEST_KV_LENGTH = 256
 COMPILE_BACKEND = "inductor"  # tests of the padding logic swap in "eager"
 
 
@@ -60,12 +63,15 @@ class StaticSpec:
     compile: bool = True  # through torch.compile
     capture: bool = False  # captured once per shape and replayed (CapturedStep)
     kv_capacity: int = 0  # captured: the most KV positions a request's plan covers (max_model_len, whole pages)
+    smallest_kv_length: int = SMALLEST_KV_LENGTH  # captured: the shortest
 
 
-def kv_lengths(page_size: int, capacity: int) -> tuple[int, ...]:
-    """The KV lengths a captured step's plan is padded to: the page size doubled until the
-    capacity, and the capacity itself (a graph's shapes are fixed, so each is captured apart)."""
-    sizes = [page_size << i for i in range(capacity.bit_length()) if page_size << i < capacity]
+def kv_lengths(page_size: int, capacity: int, smallest: int) -> tuple[int, ...]:
+    """The KV lengths a captured step's plan is padded to: `smallest` in whole pages, doubled
+    until the capacity, and the capacity itself (a graph's shapes are fixed, so each length is
+    captured apart)."""
+    first = -(-smallest // page_size) * page_size
+    sizes = [first << i for i in range(capacity.bit_length()) if first << i < capacity]
     return tuple(sizes) + (capacity,)
 
 
@@ -80,7 +86,8 @@ def static_spec(config, max_model_len: int) -> StaticSpec | None:
         logger.warning("model.cuda_graph on %s: each replay re-runs the step under a check against its capture "
                        "(moespec.capture), slower than eager; CUDA graphs need a CUDA device", m.device)
     S = config.cache.page_size
-    return StaticSpec(buckets, m.compile, m.cuda_graph, -(-max_model_len // S) * S if m.cuda_graph else 0)
+    return StaticSpec(buckets, m.compile, m.cuda_graph, -(-max_model_len // S) * S if m.cuda_graph else 0,
+                      SMALLEST_KV_LENGTH)
 
 
 def model_step(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
@@ -160,7 +167,7 @@ class StaticSteps:
         self.buckets = tuple(sorted(spec.buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
-        self.kv_lengths = kv_lengths(page_size, spec.kv_capacity) if spec.capture else (0,)
+        self.kv_lengths = kv_lengths(page_size, spec.kv_capacity, spec.smallest_kv_length) if spec.capture else (0,)
         self.caches = caches
         self.compile_s = 0.0  # wall time of calls that compiled or captured
         self.compiled: dict[tuple, object] = {}  # (B, T, N), captured (B, T, N, L) -> its compiled step

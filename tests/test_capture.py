@@ -6,6 +6,7 @@ capture on and off."""
 import pytest
 import torch
 
+import moespec.static_step as static_step
 from moespec import LLM, SamplingParams
 from moespec.attention import TorchPagedAttention
 from moespec.batch import Span, pack_spans
@@ -54,7 +55,8 @@ def test_captured_steps_match_eager_across_kv_lengths(llama_pair, deepseek_mtp, 
     size); the same hidden states and logits as eager, every replay checked."""
     model = load_model(llama_pair[0] if family == "llama" else deepseek_mtp, show_progress=False)
     eager = ModelRunner(model, 16, 4)
-    captured = ModelRunner(model, 16, 4, static=StaticSpec((1, 4), compile=False, capture=True, kv_capacity=64))
+    spec = StaticSpec((1, 4), compile=False, capture=True, kv_capacity=64, smallest_kv_length=4)
+    captured = ModelRunner(model, 16, 4, static=spec)
     assert captured.static.kv_lengths == (4, 8, 16, 32, 64)
     for (h0, l0), (h1, l1) in zip(decode_steps(eager), decode_steps(captured)):
         torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
@@ -81,7 +83,8 @@ def test_a_plan_passed_anew_or_a_host_read_fails_the_capture(llama_pair, monkeyp
 
 def test_kv_longer_than_the_captured_plans_runs_eager(llama_pair):
     model = load_model(llama_pair[0], show_progress=False)
-    runner = ModelRunner(model, 16, 4, static=StaticSpec((4,), compile=False, capture=True, kv_capacity=8))
+    runner = ModelRunner(model, 16, 4, static=StaticSpec((4,), compile=False, capture=True, kv_capacity=8,
+                                                         smallest_kv_length=8))
     batch = pack_spans([Span([0, 1], 7, [5])], 4, "decode", sampled=[True])  # position 7: inside
     assert runner.plan(batch).static.kv_length == 8
     batch = pack_spans([Span([0, 1, 2], 8, [5])], 4, "decode", sampled=[True])  # position 8: past it
@@ -110,9 +113,11 @@ def test_greedy_identical_with_cuda_graph(deepseek_mtp, llama_pair, tmp_path, mo
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_graph_under_preemption_and_overlap(deepseek_mtp, overlap):
+def test_cuda_graph_under_preemption_and_overlap(deepseek_mtp, overlap, monkeypatch):
     """MTP k = 2 with overlap scheduling (verify plans shifted on the device before their
-    replay) and a cache small enough to preempt: the same tokens as eager."""
+    replay) and a cache small enough to preempt: the same tokens as eager, and requests moving
+    from one captured KV length to the next (lengths from 8 here, not 256)."""
+    monkeypatch.setattr(static_step, "SMALLEST_KV_LENGTH", 8)
     spec = {"mode": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     batch = prompts([7, 13, 21, 4, 11, 16], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
