@@ -14,11 +14,7 @@ Stages = Generator[None, None, Any]
 
 def drive(stages: Stages) -> Any:
     """Run one generator to its end, alone (nothing else to do while its transfers fly)."""
-    while True:
-        try:
-            next(stages)
-        except StopIteration as done:
-            return done.value
+    return interleave([stages])[0]
 
 
 def interleave(runs: Sequence[Stages]) -> list[Any]:

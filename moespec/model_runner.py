@@ -56,7 +56,6 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
-        self.static_spec = static
         scratch = 1 if static else 0
         self.cache = KVCache(model.kv_cache_spec(), num_pages + scratch, page_size, self.dtype, self.device)
         reserve_rope_positions(model, (num_pages + scratch) * page_size)  # every position the cache can hold
@@ -69,6 +68,11 @@ class ModelRunner:
         set_single_row_padding(model, self.device.type == "cpu" and weights_stream)
         if pack:
             pack_linears(model)
+
+    @property
+    def static_spec(self) -> StaticSpec | None:
+        """How its uniform batches run static (the speculators' static steps follow it)."""
+        return self.static.spec if self.static is not None else None
 
     def plan(self, batch: Batch) -> ForwardContext:
         """Host work for a batch: attention indices and masks (FlashInfer's plan). A batch that

@@ -170,8 +170,10 @@ class StaticSteps:
         self.kv_lengths = kv_lengths(page_size, spec.kv_capacity, spec.smallest_kv_length) if spec.capture else (0,)
         self.caches = caches
         self.compile_s = 0.0  # wall time of calls that compiled or captured
-        self.compiled: dict[tuple, object] = {}  # (B, T, N), captured (B, T, N, L) -> its compiled step
-        self.captured: dict[tuple, CapturedStep] = {}  # (B, T, N, L) -> its captured step (`captured_for`)
+        # (B, T, N, L) -> its compiled step (`compiled_for`), its captured step (`captured_for`);
+        # L: the captured plan's KV length, 0 for a compiled step alone (the KV length is dynamic)
+        self.compiled: dict[tuple[int, int, int, int], object] = {}
+        self.captured: dict[tuple[int, int, int, int], CapturedStep] = {}
         self.graphs = new_graphs(device) if spec.capture else None
 
     @property
@@ -252,23 +254,22 @@ class StaticSteps:
         sample, num_sampled = b.sample_indices, static.num_sampled
         if rows is not None:  # one row per request: the padded requests' last rows
             sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
-        shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel())
-        key = (*shape, static.kv_length) if self.spec.capture else shape
-        start = time.perf_counter() if key not in self.captured and key not in self.compiled else None
+        shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel(), static.kv_length)
+        start = time.perf_counter() if shape not in self.compiled and shape not in self.captured else None
         inputs = (ids, b.positions, sample, static.ctx, hidden)
         if self.spec.capture:
-            hidden, logits = self.captured_for(key, inputs).replay(*inputs)
+            hidden, logits = self.captured_for(shape, inputs).replay(*inputs)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
             self.compile_s += time.perf_counter() - start
             logger.info("%s the static step for %d requests x %d tokens (KV length %d) in %.1f s",
                         "captured" if self.spec.capture else "compiled", shape[0], shape[1] // shape[0],
-                        static.kv_length, time.perf_counter() - start)
+                        shape[3], time.perf_counter() - start)
         return hidden[:T], logits[:num_sampled]
 
-    def compiled_for(self, shape: tuple[int, int, int]):
-        """The compiled step of one shape (B, T, N): its own dynamo cache entry, replayed without
+    def compiled_for(self, shape: tuple[int, int, int, int]):
+        """The compiled step of one shape (B, T, N, L): its own dynamo cache entry, replayed without
         evaluating guards, as a captured graph is replayed. One entry per callable makes that
         sound: a shape's inputs differ from call to call only in the KV length (dynamic) and in
         values. With one callable for every shape, dynamo's cache lookup (the guards over the
