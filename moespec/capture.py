@@ -69,6 +69,8 @@ class CudaReplay:
 
 class CheckedGraphs:
     def capture(self, fn) -> CheckedReplay:
+        for _ in range(WARM_UP_RUNS):  # as before a CUDA graph: lazy work (FlashInfer's first plan) stays out
+            fn()
         return CheckedReplay(fn)
 
 

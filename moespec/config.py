@@ -171,9 +171,6 @@ class EngineConfig:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
 
     def check_cuda_graph(self) -> None:
-        if self.model.attention_backend != "torch":
-            # FlashInfer's CUDA-graph wrappers (fixed index buffers, planned before each replay) are not built
-            raise ConfigError("model.cuda_graph needs model.attention_backend: torch")
         if self.parallel.ep_size > 1:
             # the expert exchange runs eagerly between the captured parts (collectives, host counts)
             raise ConfigError("model.cuda_graph needs parallel.ep_size: 1; the expert exchange is not captured")

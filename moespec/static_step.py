@@ -15,7 +15,8 @@ the compiled step's token ids always are.
 With `model.cuda_graph` each shape is instead captured once and replayed (`CapturedStep`: a
 CUDA graph on CUDA, a checked replay elsewhere, moespec.capture): its inputs and plan are copied
 into buffers of its own before each replay, and its plan covers a fixed KV length, bucketed like
-the batch sizes (`kv_lengths`).
+the batch sizes (`kv_lengths`) where the backend's plan has the KV length in its shapes (the
+torch backend; FlashInfer's CUDA-graph wrappers do not, so there one length, the capacity, serves).
 
 The attention backend plans the padded batch outside the compiled region (as FlashInfer's
 CUDA-graph wrappers plan outside capture). The static backend is separate from the runner's
@@ -167,7 +168,10 @@ class StaticSteps:
         self.buckets = tuple(sorted(spec.buckets))
         self.scratch_page, self.page_size, self.device = scratch_page, page_size, device
         self.backend = create_backend(attention_backend, device)
-        self.kv_lengths = kv_lengths(page_size, spec.kv_capacity, spec.smallest_kv_length) if spec.capture else (0,)
+        self.kv_lengths = (0,)  # compiled alone: the KV length is a dynamic dimension
+        if spec.capture:  # captured: bucketed, unless the backend's shapes are the same at every length
+            self.kv_lengths = (kv_lengths(page_size, spec.kv_capacity, spec.smallest_kv_length)
+                               if self.backend.shapes_follow_kv_length else (spec.kv_capacity,))
         self.caches = caches
         self.compile_s = 0.0  # wall time of calls that compiled or captured
         # (B, T, N, L) -> its compiled step (`compiled_for`), its captured step (`captured_for`);

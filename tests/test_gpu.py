@@ -28,23 +28,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [("prefill", 9), ("decode", 1), ("verify", 3)]
 
 
-def attention_run(backend, spec: KVSpec, mode: str, q_len: int, heads: int, seed: int = 0) -> torch.Tensor:
-    """One layer's attention over 3 requests with some KV history, on CUDA in bfloat16."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def attention_run(backend, spec: KVSpec, mode: str, q_len: int, heads: int, seed: int = 0,
+                  device: str = "cuda") -> torch.Tensor:
+    """One layer's attention over 3 requests with some KV history, in bfloat16 (also on the CPU,
+    through tests/fake_flashinfer.py: tests/test_flashinfer_cpu.py)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     page = 16
-    cache = KVCache([spec], 32, page, torch.bfloat16, "cuda")
+    cache = KVCache([spec], 32, page, torch.bfloat16, device)
     spans = [Span([3 * b, 3 * b + 1, 3 * b + 2], 5 + 11 * b, [1] * q_len) for b in range(3)]
-    batch = pack_spans(spans, page, mode, sampled=None if mode == "verify" else [True] * 3).to("cuda")
+    batch = pack_spans(spans, page, mode, sampled=None if mode == "verify" else [True] * 3).to(device)
     backend.plan(batch.attention_metadata())
     layer = cache.layers[0]
     for t in (layer.k, layer.v):
         if t is not None:
-            t.copy_(torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32).to(t.dtype))
+            t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32).to(t.dtype))
     T = batch.num_tokens
-    q = torch.randn(T, heads, spec.k_dim, generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn(T, spec.num_kv_heads, spec.k_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(T, heads, spec.k_dim, generator=gen, device=device).to(torch.bfloat16)
+    k = torch.randn(T, spec.num_kv_heads, spec.k_dim, generator=gen, device=device).to(torch.bfloat16)
     v = None if layer.v is None else torch.randn(T, spec.num_kv_heads, spec.v_dim, generator=gen,
-                                                 device="cuda").to(torch.bfloat16)
+                                                 device=device).to(torch.bfloat16)
     return backend.run(q, k, v, layer, spec.k_dim ** -0.5, spec.v_dim).float()
 
 
@@ -156,3 +158,25 @@ def test_compiled_and_overlapped_steps_on_cuda_give_the_same_tokens(model, spec,
         from moespec.capture import CudaReplay
         captured = other.engine.runner.static.captured
         assert captured and all(isinstance(step.graph, CudaReplay) for step in captured.values())
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("model", ["checkpoints/tiny-llama"])
+def test_captured_flashinfer_steps_on_cuda_give_the_same_tokens(model):
+    """model.cuda_graph on the FlashInfer backend (its CUDA-graph wrappers, planned before each
+    replay) against eager FlashInfer steps, in bfloat16 (FlashInfer has no float32 kernels).
+    tiny-deepseek-v3's latent is 128 + 16 dims; FlashInfer's MLA kernels take 512 + 64 only."""
+    from moespec import LLM, SamplingParams
+    from moespec.bench import heldout_prompts
+    from moespec.capture import CudaReplay
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    options = dict(model=os.path.join(ROOT, model), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                   max_num_seqs=4)
+    plain = LLM(**options)
+    prompts = heldout_prompts(plain.get_tokenizer(), 4, 64)
+    want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    captured = LLM(**options, cuda_graph=True, compile_batch_sizes=[4])
+    captured.engine.warm_up()
+    assert [o.token_ids for o in captured.generate(prompts, greedy, use_tqdm=False)] == want
+    steps = captured.engine.runner.static.captured
+    assert steps and all(isinstance(step.graph, CudaReplay) for step in steps.values())

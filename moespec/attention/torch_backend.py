@@ -27,6 +27,8 @@ class Group:
 
 
 class TorchPagedAttention:
+    shapes_follow_kv_length = True  # a uniform plan's tensors have the KV length L in their shapes
+
     def __init__(self, kv_capacity: int = 0) -> None:
         """`kv_capacity`: uniform batches are planned over that many KV positions per request
         (L fixed, the rest masked), as a captured step's fixed shapes need; 0: the batch's longest."""

@@ -1,0 +1,91 @@
+"""The FlashInfer backend's own code on the CPU, through tests/fake_flashinfer.py (FlashInfer's
+wrapper contract in plain torch): eager attention equals the torch backend, and captured steps
+(model.cuda_graph) plan FlashInfer's CUDA-graph wrappers before every replay, so they equal
+eager steps with one graph per batch shape at every KV length. FlashInfer itself runs only in
+tests/test_gpu.py."""
+import pytest
+import torch
+
+import fake_flashinfer
+from moespec import LLM, SamplingParams
+from moespec.attention import TorchPagedAttention, create_backend
+from moespec.attention.flashinfer_backend import FlashInferAttention
+from moespec.model_runner import ModelRunner
+from moespec.models import load_model
+from moespec.models.weights import KVSpec
+from moespec.static_step import StaticSpec
+from test_capture import decode_steps
+from test_gpu import SHAPES, attention_run
+from test_static_step import prompts
+
+
+@pytest.fixture
+def flashinfer(monkeypatch):
+    return fake_flashinfer.install(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory):
+    """Tiny Llama targets with FlashInfer's smallest head dim, 64: a target and a draft."""
+    from tiny_models import save_tiny_llama
+    target, draft = tmp_path_factory.mktemp("fi-target"), tmp_path_factory.mktemp("fi-draft")
+    save_tiny_llama(target, layers=2, hidden=256)
+    save_tiny_llama(draft, seed=1, layers=1, hidden=256)
+    return str(target), str(draft)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("mode,q_len", SHAPES)
+def test_eager_flashinfer_equals_torch_attention(flashinfer, kind, mode, q_len):
+    spec, heads = ((KVSpec(num_kv_heads=2, k_dim=128, v_dim=128), 8) if kind == "gqa" else
+                   (KVSpec(num_kv_heads=1, k_dim=576, v_dim=512, separate_v=False), 16))
+    want = attention_run(TorchPagedAttention(), spec, mode, q_len, heads, device="cpu")
+    got = attention_run(create_backend("flashinfer", "cpu"), spec, mode, q_len, heads, device="cpu")
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert fake_flashinfer.FakeWrapper.runs == {"graph": 0, "eager": 1}
+
+
+def test_captured_steps_plan_flashinfers_graph_wrappers_before_each_replay(flashinfer, llama64, monkeypatch):
+    """Three requests padded to four at KV lengths 6, 7 and 9 (past a page boundary): one
+    captured step serves all three, its wrappers in CUDA-graph mode over buffers for 64 positions
+    per request, and gives eager's hidden states and logits. Not planned again before a replay, it
+    would read the first batch's pages and lengths."""
+    model = load_model(llama64[0], dtype="bfloat16", show_progress=False)
+    eager = decode_steps(ModelRunner(model, 16, 4, attention_backend="flashinfer"))
+    spec = StaticSpec((1, 4), compile=False, capture=True, kv_capacity=64, smallest_kv_length=4)
+    runner = ModelRunner(model, 16, 4, attention_backend="flashinfer", static=spec)
+    assert runner.static.kv_lengths == (64,)
+    for (h0, l0), (h1, l1) in zip(eager, decode_steps(runner)):
+        torch.testing.assert_close(h1, h0, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(l1, l0, rtol=1e-2, atol=1e-2)
+    (shape, step), = runner.static.captured.items()
+    assert shape == (4, 4, 4, 64) and step.graph.replays == 3
+    assert fake_flashinfer.FakeWrapper.runs["graph"] > 0
+    wrapper = step.backend.wrappers["paged"]
+    assert wrapper.use_cuda_graph and wrapper.buffers["kv_indices"].numel() == 4 * 64 // 4
+    torch_logits = decode_steps(ModelRunner(model, 16, 4))[-1][1]  # and the torch backend, in bfloat16
+    torch.testing.assert_close(eager[-1][1], torch_logits, rtol=5e-2, atol=5e-2)
+
+    monkeypatch.setattr(FlashInferAttention, "load_plan", lambda self, other: self.slots.copy_(other.slots))
+    stale = decode_steps(ModelRunner(model, 16, 4, attention_backend="flashinfer", static=spec))
+    assert not torch.allclose(stale[-1][1], eager[-1][1], atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["none", "draft"])
+def test_greedy_identical_with_cuda_graph_on_flashinfer(flashinfer, llama64, mode):
+    """Through the engine in bfloat16, with chunked prefill: the same tokens with captured steps
+    as with eager ones, both on the FlashInfer backend, the draft model's decode captured too."""
+    spec = {"mode": "draft", "draft_model": llama64[1], "num_speculative_tokens": 2} if mode == "draft" else None
+    batch = prompts([5, 23, 9, 17, 30, 2], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 7, 1, 10, 12, 3)]
+    options = dict(model=llama64[0], dtype="bfloat16", attention_backend="flashinfer", page_size=4, num_kv_pages=128,
+                   max_num_seqs=8, max_num_batched_tokens=16, speculation=spec)
+    ref = [o.token_ids for o in LLM(**options).generate(batch, params, use_tqdm=False)]
+    llm = LLM(**options, cuda_graph=True, compile_batch_sizes=[2, 8])
+    assert [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)] == ref
+    static = llm.engine.runner.static
+    assert static.kv_lengths == (128,)  # one length: max_model_len, the model's 128 positions
+    assert sum(step.graph.replays for step in static.captured.values()) > len(static.captured)
+    assert fake_flashinfer.FakeWrapper.runs["graph"] > 0
+    if mode == "draft":
+        assert llm.engine.speculator.runner.static.captured
