@@ -23,6 +23,12 @@ $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=
     --batch-sizes 1,16 --cuda-graph both --repeats 2 --out "$OUT/graph-tiny-deepseek-v3.json"
 $PY -m moespec bench --config configs/tiny-llama-draft.yaml --set model.device=cuda --modes none,draft:2 \
     --batch-sizes 1,16 --cuda-graph both --repeats 2 --out "$OUT/graph-tiny-llama.json"
+# The same on FlashInfer's CUDA-graph wrappers (bfloat16: FlashInfer has no float32 kernels)
+if $PY -c "import flashinfer" 2>/dev/null; then
+  $PY -m moespec bench --config configs/tiny-llama-draft.yaml --set model.device=cuda --set model.dtype=bfloat16 \
+      --set model.attention_backend=flashinfer --modes none,draft:2 --batch-sizes 1,16 --cuda-graph both --repeats 2 \
+      --out "$OUT/graph-flashinfer-tiny-llama.json"
+fi
 # Compiled static steps (model.compile) and overlap scheduling against eager, side by side
 $PY -m moespec bench --config configs/tiny-deepseek-mtp.yaml --set model.device=cuda --modes none,mtp:2 \
     --batch-sizes 1,16 --compile both --overlap both --repeats 2 --out "$OUT/compile-tiny-deepseek-v3.json"

@@ -132,6 +132,8 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def describe(self, x):
+        if isinstance(x, torch.ScriptObject):  # a collective's process group (wrapped anew at each call)
+            return ("object", x._type().qualified_name())
         if not isinstance(x, torch.Tensor):
             return x
         layout = (tuple(x.shape), x.dtype)

@@ -170,10 +170,24 @@ class EngineConfig:
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
 
+    @property
+    def uses_fixed_exchange(self) -> bool:
+        """parallel.moe_exchange, with auto resolved: fixed with DeepEP or on CUDA, uneven otherwise."""
+        p = self.parallel
+        if p.moe_exchange != "auto":
+            return p.moe_exchange == "fixed"
+        return p.moe_backend == "deepep" or str(self.model.device).startswith("cuda")
+
     def check_cuda_graph(self) -> None:
-        if self.parallel.ep_size > 1:
-            # the expert exchange runs eagerly between the captured parts (collectives, host counts)
-            raise ConfigError("model.cuda_graph needs parallel.ep_size: 1; the expert exchange is not captured")
+        p = self.parallel
+        if p.ep_size == 1:
+            return
+        if not self.uses_fixed_exchange:  # the uneven exchange reads counts on the host
+            raise ConfigError("model.cuda_graph across ranks needs the fixed-capacity expert exchange: set "
+                              "parallel.moe_exchange: fixed (or moe_backend: deepep)")
+        for key in ("microbatch", "two_batch_overlap"):
+            if getattr(p, key):  # a captured step runs whole, and every rank must issue its collectives alike
+                raise ConfigError(f"model.cuda_graph across ranks runs each step whole: set parallel.{key}: false")
 
     def check_tree(self) -> None:
         k = self.speculation.num_speculative_tokens

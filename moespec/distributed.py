@@ -213,14 +213,6 @@ def dispatch_capacity(config: EngineConfig) -> int:
     return config.scheduler.max_num_seqs * per_request
 
 
-def uses_fixed_exchange(config: EngineConfig) -> bool:
-    """parallel.moe_exchange, with auto resolved: fixed with DeepEP or on CUDA, uneven otherwise."""
-    p = config.parallel
-    if p.moe_exchange != "auto":
-        return p.moe_exchange == "fixed"
-    return p.moe_backend == "deepep" or str(config.model.device).startswith("cuda")
-
-
 def join_ranks(config: EngineConfig) -> Ranks | None:
     """Join the process group of a multi-rank launch (torchrun or slurm); None for one process."""
     if config.parallel.ep_size == 1:
@@ -250,13 +242,15 @@ def start_engine(config: EngineConfig, warm_up: bool = False):
     """One process: its Engine. Under torchrun or slurm every rank builds its Engine; rank 0's is
     returned (it takes requests and places them on the ranks), the others serve their share
     until rank 0 closes its engine, then exit. `warm_up`: every rank compiles its static steps
-    first (model.compile; no collectives), so none stalls the others at a serving step."""
+    first (model.compile; no collectives), so none stalls the others at a serving step. Captured
+    steps across ranks (model.cuda_graph) are warmed up always: only the warm-up, which every
+    rank runs alike, captures them."""
     from moespec.engine import Engine
 
     ranks = join_ranks(config)
     try:
         engine = Engine(config, ranks=ranks)
-        if warm_up:
+        if warm_up or (ranks is not None and config.model.cuda_graph):
             engine.warm_up()
     except BaseException:
         if ranks is not None:

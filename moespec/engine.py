@@ -26,7 +26,7 @@ from moespec.batch import Batch, Span, build_batch, pack_spans
 from moespec.config import EngineConfig
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
 from moespec.cluster import Abort, Add, Cluster
-from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers, uses_fixed_exchange
+from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
 from moespec.overlap import PENDING, HostWorker, InFlight, Outcome
@@ -203,10 +203,15 @@ class Engine:
         mtp_all = ep_layers(self.model.mtp) if hasattr(self.model, "mtp") else []
         target_layers = [m for m in ep_layers(self.model) if not any(m is t for t in mtp_all)]
         mtp_layers = mtp_all if builtin_mtp else []
-        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, uses_fixed_exchange(self.config))
+        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, self.config.uses_fixed_exchange)
+        ranks.runtime.configure(self.config.parallel, self.config.model.cuda_graph)
         self.runner.sync = self.lockstep
+        if self.runner.static is not None:
+            self.runner.static.runtime = ranks.runtime
         if builtin_mtp:
             self.speculator.sync = self.lockstep
+            if self.speculator.static is not None:
+                self.speculator.static.runtime = ranks.runtime
         self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp,
                                keys=self.scheduler.keys)
 

@@ -99,8 +99,9 @@ class ModelRunner:
     def forward(self, batch: Batch, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32 at batch.sample_indices)."""
         with self.sync.target(batch) if self.sync is not None else contextlib.nullcontext():
-            if ctx.static is not None:  # across ranks its MoE layers exchange the real rows only
-                return self.static.forward(ctx.static, batch.input_ids)
+            if ctx.static is not None:  # across ranks its MoE layers exchange the real rows only (compiled)
+                return self.static.forward(ctx.static, batch.input_ids,
+                                           fixed_exchange=self.sync is None or self.sync.low_latency)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.sample_indices]).float()
         return hidden, logits

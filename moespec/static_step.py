@@ -27,6 +27,7 @@ Shapes legend: T tokens, B requests, Q queries per request, N sampled rows, M hi
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import logging
 import time
@@ -179,6 +180,10 @@ class StaticSteps:
         self.compiled: dict[tuple[int, int, int, int], object] = {}
         self.captured: dict[tuple[int, int, int, int], CapturedStep] = {}
         self.graphs = new_graphs(device) if spec.capture else None
+        # across ranks: the EP runtime its MoE layers exchange through (set by Engine.attach_ranks)
+        self.runtime = None
+        self.warming = False  # in `warm_up`, the only time a step across ranks is captured
+        self.eager_runs = 0  # captured shapes run eager instead (across ranks: see `forward`)
 
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
@@ -229,7 +234,16 @@ class StaticSteps:
         """Compile or capture every bucket for each (mode, Q, sampled rows per request) now, on
         batches of padded requests alone, rather than at a serving step (`one_row_each`: as
         `forward` with `rows`, the MTP layer's verify re-run), and captured, at every KV length.
-        The largest first: captured graphs share one memory pool, which the smaller ones reuse."""
+        The largest first: captured graphs share one memory pool, which the smaller ones reuse.
+        Across ranks every rank warms up alike, and each capture's forwards exchange tokens through
+        the fixed-capacity exchange with the others' (as a graph will at each replay)."""
+        self.warming = True
+        try:
+            self.warm_up_buckets(shapes, one_row_each)
+        finally:
+            self.warming = False
+
+    def warm_up_buckets(self, shapes: list[tuple[str, int, int]], one_row_each: bool) -> None:
         for size in reversed(self.buckets):
             for mode, Q, per in shapes:
                 if Q > self.page_size:
@@ -240,15 +254,27 @@ class StaticSteps:
                 rows = torch.zeros(0, dtype=torch.int64, device=self.device) if one_row_each else None
                 for kv_length in reversed(self.kv_lengths):
                     padded = pad_batch(empty, size, self.scratch_page, (Q, per))
-                    self.forward(self.plan_padded(padded, 0, 0, 0, kv_length), hidden=hidden, rows=rows)
+                    with self.exchange_step(padded):
+                        self.forward(self.plan_padded(padded, 0, 0, 0, kv_length), hidden=hidden, rows=rows)
+
+    def exchange_step(self, padded: Batch):
+        """A warm-up forward's step across ranks when captured: the fixed-capacity exchange."""
+        if self.runtime is None or not self.spec.capture:
+            return contextlib.nullcontext()
+        return self.runtime.step(padded.qo_bounds, low_latency=True)
 
     @torch.inference_mode()
     def forward(self, static: StaticBatch, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor | None = None, fixed_exchange: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V] float32) of the real rows. `input_ids` [T]: the real
         rows' token ids as they are now (placed on the device after planning: drafts, or the
         previous step's tokens under overlap scheduling); `hidden` [T, M]: an MTP layer's input
-        (padded rows get zeros); `rows` [B]: sample these rows, one per request, instead."""
+        (padded rows get zeros); `rows` [B]: sample these rows, one per request, instead.
+        Across ranks a captured step replays only when the step's MoE layers take the
+        fixed-capacity exchange (`fixed_exchange`: decode or verify on every rank), which its
+        graph holds, and only shapes the warm-up captured (a capture runs the step three times,
+        which the other ranks' collectives would not pair with); otherwise its padded batch runs
+        eager."""
         b, T, B = static.batch, static.num_tokens, static.num_requests
         pads = b.num_tokens - T
         # always a new tensor made here (in inference mode), warm-up or not: the compiled step guards on the kind
@@ -259,9 +285,16 @@ class StaticSteps:
         if rows is not None:  # one row per request: the padded requests' last rows
             sample, num_sampled = torch.cat([rows, b.qo_indptr[B + 1:] - 1]), B
         shape = (len(b.qo_bounds) - 1, b.num_tokens, sample.numel(), static.kv_length)
-        start = time.perf_counter() if shape not in self.compiled and shape not in self.captured else None
         inputs = (ids, b.positions, sample, static.ctx, hidden)
+        if self.spec.capture and self.runtime is not None and not (
+                fixed_exchange and (self.warming or shape in self.captured)):
+            self.eager_runs += 1
+            hidden, logits = self.run_model(*inputs)
+            return hidden[:T], logits[:num_sampled]
+        start = time.perf_counter() if shape not in self.compiled and shape not in self.captured else None
         if self.spec.capture:
+            if self.runtime is not None:
+                self.runtime.before_replay()
             hidden, logits = self.captured_for(shape, inputs).replay(*inputs)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)

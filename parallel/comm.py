@@ -1,6 +1,8 @@
 """The expert-parallel link: blocking collectives on one group, run FIFO on one comm thread so the
 caller keeps computing while a dispatch or combine is in flight.
 
+Inside a captured step (model.cuda_graph) jobs run on the capturing thread instead (`submit`).
+
 `Collectives` issues torch.distributed calls (gloo on CPU, NCCL on GPU); `ThrottledCollectives`
 adds a modelled inter-node link (latency + bytes / bandwidth per call, slept on the comm thread)
 so tests and benchmarks see InfiniBand-like costs on one machine. Every rank submits the same
@@ -20,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moespec.models.layers import CAPTURING
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 
@@ -102,7 +105,8 @@ class ThrottledCollectives(Collectives):
     def all_to_all_fixed(self, send: torch.Tensor, wire_bytes: Callable[[], int] | None = None) -> torch.Tensor:
         recv = super().all_to_all_fixed(send)
         padded = send.numel() * send.element_size() * (self.size - 1) // self.size
-        self.wait_link(wire_bytes() if wire_bytes is not None else padded)  # read on the comm thread
+        # valid rows read on the comm thread; a captured step charges the padding (no host read)
+        self.wait_link(wire_bytes() if wire_bytes is not None and not CAPTURING.get() else padded)
         return recv
 
     def all_gather(self, part: torch.Tensor) -> torch.Tensor:
@@ -137,6 +141,16 @@ class CommHandle:
                                 f"died or timed out (parallel.timeout_s={self.ctx.timeout_s:g}): {error}") from error
 
 
+class Ready:
+    """A finished transfer (or one run on the caller's thread) behind the same `wait()` as one in flight."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def wait(self) -> Any:
+        return self.value
+
+
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -150,7 +164,11 @@ class CommStream:
         # A finished transfer must get the GIL back promptly, not after the default 5 ms switch interval.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
-    def submit(self, what: str, job: Callable[..., Any], *args: Any) -> CommHandle:
+    def submit(self, what: str, job: Callable[..., Any], *args: Any) -> CommHandle | Ready:
+        """Run `job` after those before it; inside a captured step (model.cuda_graph) it runs
+        here and now instead: a CUDA graph records only the kernels its own thread launches."""
+        if CAPTURING.get():
+            return Ready(job(*args))
         return CommHandle(self.executor.submit(job, *args), what, self.ctx)
 
     def run(self, what: str, job: Callable[..., Any], *args: Any) -> Any:

@@ -25,11 +25,11 @@ from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
-from moespec.models.layers import OP_OBJECTS
+from moespec.models.layers import CAPTURING, OP_OBJECTS
 from moespec.models.moe import LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
-from moespec.parallel.comm import Collectives, CommStream
-from moespec.parallel.exchange import DeepEPExchange, GlooExchange, Ready
+from moespec.parallel.comm import Collectives, CommStream, Ready
+from moespec.parallel.exchange import DeepEPExchange, GlooExchange
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -64,8 +64,10 @@ class EPRuntime:
         self.low_latency: bool | None = None  # the fixed-capacity exchange, agreed by all ranks for the step
         self.capacity: int | None = None  # its C under data-parallel attention, agreed for the step
         self.active = False
+        self.captured = False  # model.cuda_graph: every fixed-capacity call at the buffer's capacity (`call_capacity`)
         self.fixed = None  # the fixed-capacity exchange (parallel/exchange.py), built on first use
         self.buffer, self.buffer_mode = None, None  # DeepEP: one Buffer per process
+        self.buffer_shape: tuple[int, int] | None = None  # (hidden, experts) it serves
 
     @contextmanager
     def step(self, qo_bounds: Sequence[int] | None = None, low_latency: bool | None = None,
@@ -85,10 +87,12 @@ class EPRuntime:
         finally:
             self.active, self.split, self.low_latency, self.capacity, self.num_tokens = False, None, None, None, None
 
-    def configure(self, parallel) -> None:
-        """Take a config's attention layout and microbatching (its `parallel` section): engines
-        built in turn on the same ranks may differ in them. Two-batch overlap implies microbatching:
-        forwards it does not split, split inside the MoE layers."""
+    def configure(self, parallel, cuda_graph: bool = False) -> None:
+        """Take a config's attention layout and microbatching (its `parallel` section) and whether
+        its steps are captured (`model.cuda_graph`): engines built in turn on the same ranks may
+        differ in them. Two-batch overlap implies microbatching: forwards it does not split, split
+        inside the MoE layers."""
+        self.captured = cuda_graph
         self.dp = parallel.attention == "dp"
         self.microbatch = parallel.microbatch or parallel.two_batch_overlap
         self.two_batch = parallel.two_batch_overlap
@@ -117,15 +121,26 @@ class EPRuntime:
         """The one DeepEP Buffer of this process; its low-latency area is cleaned after normal-mode use."""
         if self.buffer is None:
             self.buffer = build_deepep_buffer(self, hidden, num_experts)
+            self.buffer_shape = (hidden, num_experts)
         if low_latency and self.buffer_mode == "normal":
             self.buffer.clean_low_latency_buffer(self.max_tokens_per_rank, hidden, num_experts)
         self.buffer_mode = "low_latency" if low_latency else "normal"
         return self.buffer
 
+    def before_replay(self) -> None:
+        """Before a captured step replays: its low-latency kernels run without this Python, so
+        DeepEP's buffer is cleaned here after normal-mode use (a prefill step), as the first eager
+        low-latency call would."""
+        if self.buffer is not None and self.buffer_mode == "normal":
+            self.deepep_buffer(*self.buffer_shape, low_latency=True)
+
     def call_capacity(self, num_tokens: int) -> int | None:
         """C of one fixed-capacity call over a batch (or half) of num_tokens, the same on every rank:
         replicated, every rank's share of it (all hold the batch); data-parallel, the step's agreed
-        capacity (`capacity`, set by the step); None: the buffer's."""
+        capacity (`capacity`, set by the step); None: the buffer's, always with captured steps
+        (a graph's C is fixed, and an eager call on another rank must pair with it)."""
+        if self.captured:
+            return None
         if not self.dp:
             return max(1, -(-num_tokens // self.ctx.ep_size))
         return self.capacity
@@ -231,7 +246,9 @@ class EPExperts(LocalExperts):
         """The compiled step's call: x [T', M] padded past the step's real rows; only the real ones
         are exchanged (padded rows must not reach other ranks, nor count against the agreed
         capacity), the padded ones get zeros. Outside a step (compiling at warm-up) nothing is
-        exchanged."""
+        exchanged. A captured step exchanges every row: its shapes are the padded batch's."""
+        if CAPTURING.get():
+            return self.forward_eager(x, topk_ids, topk_weights, self.shared)
         T = self.runtime.num_tokens if self.runtime.active else 0
         if T is None or T > x.shape[0]:
             raise ParallelError(f"EP layer in a compiled step: {T} real rows of a batch of {x.shape[0]}")

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from moespec.parallel.groups import ParallelError
 
@@ -42,16 +41,6 @@ class Received:
     x: torch.Tensor  # [L, G*C, M]
     counts: torch.Tensor  # [L] valid rows of each local expert (device)
     handle: Any  # what the combine needs to send the rows back
-
-
-class Ready:
-    """A finished transfer behind the same `wait()` as one in flight."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def wait(self) -> Any:
-        return self.value
 
 
 class Hooked:
@@ -103,7 +92,7 @@ class GlooExchange:
         """x [T, M], topk_ids [T, A] -> each local expert's rows from every rank."""
         (T, M), E, G, L = x.shape, self.num_experts, self.size, self.num_local
         expert = topk_ids.flatten()  # [T*A]
-        hits = F.one_hot(expert, E)  # [T*A, E]
+        hits = (expert[:, None] == torch.arange(E, device=x.device)).long()  # [T*A, E] (F.one_hot checks ids on the host)
         slot = (hits.cumsum(0) * hits).sum(1) - 1  # [T*A] the pair's row among its expert's pairs
         counts = hits.sum(0)  # [E] rows sent to each expert
         send = x.new_zeros(E, C, M)

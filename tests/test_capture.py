@@ -139,6 +139,13 @@ def test_cuda_graph_under_preemption_and_overlap(deepseek_mtp, overlap, monkeypa
 
 def test_config_checks():
     assert build_config({}, {"model": "m", "cuda_graph": True, "attention_backend": "flashinfer"}).model.cuda_graph
-    with pytest.raises(ConfigError, match="model.cuda_graph needs parallel.ep_size: 1"):
-        build_config({}, {"model": "m", "cuda_graph": True, "parallel": {"ep_size": 2}})
+    with pytest.raises(ConfigError, match="parallel.moe_exchange: fixed"):
+        build_config({}, {"model": "m", "cuda_graph": True, "parallel": {"ep_size": 2, "moe_exchange": "uneven"}})
+    with pytest.raises(ConfigError, match="set parallel.microbatch: false"):
+        build_config({}, {"model": "m", "cuda_graph": True,
+                          "parallel": {"ep_size": 2, "moe_exchange": "fixed", "microbatch": True}})
+    with pytest.raises(ConfigError, match="set parallel.two_batch_overlap: false"):
+        build_config({}, {"model": "m", "cuda_graph": True,
+                          "parallel": {"ep_size": 2, "moe_exchange": "fixed", "two_batch_overlap": True}})
+    assert build_config({}, {"model": "m", "cuda_graph": True, "parallel": {"ep_size": 2, "moe_backend": "deepep"}})
     assert build_config({}, {"model": "m", "cuda_graph": True}).model.cuda_graph

@@ -33,11 +33,12 @@ SPEC = {
 
 def engine_config(paths: dict, ep_size: int, spec: str, microbatch: bool = True, attention: str = "dp",
                   num_kv_pages: int = 128, max_num_seqs: int = 64, exchange: str = "fixed", overlap: bool = False,
-                  compile: bool = False, two_batch: bool = False):
+                  compile: bool = False, two_batch: bool = False, cuda_graph: bool = False):
     speculation = dict(SPEC[spec])
     if spec == "draft":
         speculation["draft_model"] = paths["draft"]
-    return build_config({"model": {"path": paths["target"], "compile": compile, "compile_batch_sizes": [2, 4, 8]},
+    return build_config({"model": {"path": paths["target"], "compile": compile, "compile_batch_sizes": [2, 4, 8],
+                                   "cuda_graph": cuda_graph},
                          "cache": {"page_size": 4, "num_kv_pages": num_kv_pages},
                          "scheduler": {"max_num_seqs": max_num_seqs, "overlap": overlap},
                          "speculation": speculation,
@@ -75,13 +76,16 @@ def tree_steps(engine) -> int:
     return sum(steps for steps, _ in engine.spec_stats.by_tree.values())
 
 
-def step_counts(engine) -> tuple[int, int, int, int]:
+def step_counts(engine) -> tuple[int, int, int, int, int, int]:
     """Overlap: steps agreed while the step before ran, verify steps among them prepared for its
     longest outcome, and steps prepared again once it was processed; model.compile: the static
-    step shapes compiled (target and MTP layer)."""
+    step shapes compiled (target and MTP layer); model.cuda_graph: replays of captured steps, and
+    static steps run eager instead (the step's exchange was not the fixed one)."""
     s = engine.stats
-    statics = [engine.runner.static, getattr(engine.speculator, "static", None)]
-    return s.ahead_steps, s.shifted_steps, s.prepared_again, sum(len(st.shapes) for st in statics if st)
+    statics = [st for st in (engine.runner.static, getattr(engine.speculator, "static", None)) if st]
+    replays = sum(step.graph.replays for st in statics for step in st.captured.values())
+    return (s.ahead_steps, s.shifted_steps, s.prepared_again, sum(len(st.shapes) for st in statics), replays,
+            sum(st.eager_runs for st in statics))
 
 
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
@@ -101,13 +105,16 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
             layers.PACKED_MIN_ELEMENTS = 0 if s.get("pack_all") else size_floor
             config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
                                    s.get("num_kv_pages", 128), s.get("max_num_seqs", 64), s.get("exchange", "fixed"),
-                                   s.get("overlap", False), bool(s.get("compile")), s.get("two_batch", False))
+                                   s.get("overlap", False), bool(s.get("compile")), s.get("two_batch", False),
+                                   s.get("cuda_graph", False))
             if s.get("compile"):  # "eager": dynamo traces the step (the EP layers as opaque ops), no codegen
                 import moespec.static_step as static_step
                 static_step.COMPILE_BACKEND = s["compile"]
             runtime, two_batch_before = ranks.runtime, ranks.runtime.two_batch_plans
             runtime.configure(config.parallel)
             engine = Engine(config, ranks=ranks)
+            if s.get("cuda_graph"):
+                engine.warm_up()  # every rank captures alike (serving captures nothing across ranks)
             if ranks.ctx.leader:
                 outputs, spec_steps = run_schedule(engine, s["requests"])
                 engine.stop_ranks()
@@ -251,6 +258,26 @@ def test_compiled_steps_across_ranks_match_one_process(paths):
     for i, s in enumerate(scenarios):
         compiled = [r.value[i][7][3] for r in results]
         assert all(compiled), (s, compiled)  # every rank ran static steps
+
+
+def test_captured_steps_across_ranks_match_one_process(paths):
+    """model.cuda_graph at EP=2 (checked replays on CPU): every rank captures its static steps in
+    the warm-up, exchanging tokens through the fixed-capacity exchange as it will at each replay,
+    and replays them with the exchange inline; steps where some rank prefills run eager. Greedy
+    output equals one eager process: no speculation, MTP k = 2 with requests arriving and ranks
+    idle (also with overlap scheduling), and replicated attention."""
+    scenarios = [
+        {"spec": "none", "requests": TOGETHER, "cuda_graph": True, "microbatch": False},
+        {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "microbatch": False},
+        {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "microbatch": False, "overlap": True},
+        {"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True, "microbatch": False, "attention": "replicated"},
+    ]
+    results = check_runs(paths, 2, scenarios)
+    for i, s in enumerate(scenarios):
+        counts = [r.value[i][7] for r in results]
+        assert all(c[4] > 0 for c in counts), (s, counts)  # every rank replayed captured steps
+        if s["requests"] is STAGGERED:
+            assert sum(c[5] for c in counts) > 0, (s, counts)  # and ran some eager (a rank was prefilling)
 
 
 def test_two_batch_overlap_matches_one_process(paths):

@@ -282,6 +282,19 @@ def test_deepep_backend_without_deepep_says_what_to_install():
         runtime.deepep_buffer(16, 8, low_latency=True)
 
 
+def test_a_captured_step_cleans_deepeps_buffer_after_normal_mode():
+    """A replay runs DeepEP's low-latency kernels without their Python: after normal-mode use
+    (a prefill step) the buffer is cleaned before it, once, as the first eager low-latency call
+    would; in low-latency mode already, nothing is done."""
+    runtime = fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu")))
+    cleaned = []
+    runtime.buffer = type("Buffer", (), {"clean_low_latency_buffer": lambda self, *args: cleaned.append(args)})()
+    runtime.buffer_shape, runtime.buffer_mode, runtime.max_tokens_per_rank = (7168, 256), "normal", 64
+    runtime.before_replay()
+    runtime.before_replay()
+    assert cleaned == [(64, 7168, 256)] and runtime.buffer_mode == "low_latency"
+
+
 def test_interleave_takes_turns_and_returns_each_result():
     """models/two_batch.py: generators stepped first, second, first, ... until each ends; a
     shorter one drops out; `drive` runs one alone."""

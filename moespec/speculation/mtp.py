@@ -270,7 +270,8 @@ class MTPSpeculator(Speculator):
         static = self.plan_static(batch, target_ctx) if static else None
         if static is not None:
             with self.sync.mtp(batch) if self.sync else contextlib.nullcontext():
-                out, logits = self.static.forward(static, token_ids, hidden, rows)
+                out, logits = self.static.forward(static, token_ids, hidden, rows,
+                                                  fixed_exchange=self.sync is None or self.sync.low_latency)
             return logits, out if rows is None else out[rows]
         out = self.forward(batch, token_ids, hidden, target_ctx)
         if rows is not None:
