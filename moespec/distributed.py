@@ -243,14 +243,15 @@ def start_engine(config: EngineConfig, warm_up: bool = False):
     returned (it takes requests and places them on the ranks), the others serve their share
     until rank 0 closes its engine, then exit. `warm_up`: every rank compiles its static steps
     first (model.compile; no collectives), so none stalls the others at a serving step. Captured
-    steps across ranks (model.cuda_graph) are warmed up always: only the warm-up, which every
-    rank runs alike, captures them."""
+    steps (model.cuda_graph) are captured at start-up always: across ranks only the warm-up, which
+    every rank runs alike, captures them, and in one process a capture while serving would race
+    the overlap helper thread's kernels."""
     from moespec.engine import Engine
 
     ranks = join_ranks(config)
     try:
         engine = Engine(config, ranks=ranks)
-        if warm_up or (ranks is not None and config.model.cuda_graph):
+        if warm_up or config.model.cuda_graph:
             engine.warm_up()
     except BaseException:
         if ranks is not None:
