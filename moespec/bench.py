@@ -311,7 +311,9 @@ def run(args: argparse.Namespace) -> int:
     results = {label: [] for label, *_ in variants}
     for batch in sizes:
         engines = build_engines(batch)
-        compile_s = {label: llm.engine.warm_up() for label, llm in engines.items()}  # model.compile: every bucket
+        for llm in engines.values():
+            llm.engine.warm_up()  # model.compile: every bucket (captured steps were captured when built)
+        compile_s = {label: llm.engine.warm_up_s for label, llm in engines.items()}
         for llm in engines.values():  # warm-up
             llm.generate(warmup[:batch], replace(params, max_tokens=4), use_tqdm=False)
         runs: dict[str, list[dict]] = {label: [] for label in engines}

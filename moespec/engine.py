@@ -189,6 +189,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)  # structured outputs
         self.sequences: dict[str, Sequence] = {}
         self.stats = StepStats()
+        self.warm_up_s = 0.0  # every warm_up so far (captured steps are captured when the engine starts)
         self.ids = itertools.count()
         self.phase = "idle"  # what the current step is doing, for a watchdog that finds it stuck
         self.worker = HostWorker() if c.scheduler.overlap else None  # scheduler.overlap (moespec.overlap)
@@ -257,6 +258,7 @@ class Engine:
         k = self.speculator.max_tokens
         shapes = [("decode", 1, 1)] + [("verify", 1 + j, 1 + j) for j in range(1, k + 1)]
         seconds = self.runner.warm_up(shapes) + self.speculator.warm_up()
+        self.warm_up_s += seconds
         if seconds:
             logger.info("prepared the static steps in %.1f s", seconds)
         return seconds
