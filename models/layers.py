@@ -21,6 +21,9 @@ from moespec.models.fp8 import fp8_linear, is_fp8, scale_shape
 
 # set while a step runs captured (moespec.static_step.CapturedStep): its graph is replayed as recorded
 CAPTURING = contextvars.ContextVar("moespec_capturing", default=False)
+# and meanwhile: a device scalar, the number of leading rows of the padded batch that are real (the
+# captured step refills it before each replay), so padded rows are kept out of the expert exchange
+REAL_ROWS = contextvars.ContextVar("moespec_real_rows", default=None)
 
 
 def fixed_shapes() -> bool:

@@ -39,7 +39,7 @@ from torch import nn
 from moespec.attention import ForwardContext, create_backend
 from moespec.batch import Batch, pack_spans
 from moespec.capture import CaptureError, new_graphs
-from moespec.models.layers import CAPTURING
+from moespec.models.layers import CAPTURING, REAL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class StaticSteps:
         if self.spec.capture:
             if self.runtime is not None:
                 self.runtime.before_replay()
-            hidden, logits = self.captured_for(shape, inputs).replay(*inputs)
+            hidden, logits = self.captured_for(shape, inputs, T).replay(*inputs, T)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
@@ -320,12 +320,13 @@ class StaticSteps:
                                                  isolate_recompiles=True, options=options)
         return self.compiled[shape]
 
-    def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple) -> CapturedStep:
+    def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple, real_rows: int) -> CapturedStep:
         """The captured step of one shape (B, T, N, KV length), captured now from these inputs
-        if it is new (the compiled step when model.compile is on too)."""
+        (`real_rows` of them before the padding) if it is new (the compiled step when
+        model.compile is on too)."""
         if shape not in self.captured:
             run = self.compiled_for(shape) if self.spec.compile else self.run_model
-            self.captured[shape] = CapturedStep(run, inputs, self.graphs)
+            self.captured[shape] = CapturedStep(run, inputs, self.graphs, real_rows)
         return self.captured[shape]
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_indices: torch.Tensor,
@@ -339,33 +340,37 @@ class CapturedStep:
     replay refills in place, the graph, and its outputs. The model's weights and KV cache are
     read where they are."""
 
-    def __init__(self, run, inputs: tuple, graphs) -> None:
+    def __init__(self, run, inputs: tuple, graphs, real_rows: int) -> None:
         ids, positions, sample, ctx, hidden = inputs
         self.buffers = [t.clone() for t in (ids, positions, sample) + ((hidden,) if hidden is not None else ())]
+        self.real_rows = torch.tensor(real_rows, device=ids.device)  # [] the real rows of this replay's batch
         self.backend = ctx.backend.static_plan()  # the plan's tensors, at addresses of their own
         fixed = ForwardContext(self.backend, ctx.caches)
         args = (*self.buffers[:3], fixed, self.buffers[3] if hidden is not None else None)
-        self.graph = graphs.capture(lambda: run_captured(run, args))
+        self.graph = graphs.capture(lambda: run_captured(run, args, self.real_rows))
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, ctx: ForwardContext,
-               hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               hidden: torch.Tensor | None, real_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V]) of this step's inputs, copies of the graph's outputs
-        (the next replay overwrites those)."""
+        (the next replay overwrites those); `real_rows`: the batch's rows before its padding."""
         names = ("token ids", "positions", "sampled rows", "input hidden states")
         for name, buffer, value in zip(names, self.buffers, (ids, positions, sample, hidden)):
             if buffer.shape != value.shape:
                 raise CaptureError(f"{name} {tuple(value.shape)} differ from the captured {tuple(buffer.shape)}")
             buffer.copy_(value)
+        self.real_rows.fill_(real_rows)
         self.backend.load_plan(ctx.backend)
         return tuple(out.clone() for out in self.graph.replay())
 
 
-def run_captured(run, args: tuple):
-    """The step as it is captured (and, off CUDA, replayed): the model takes its fixed-shape paths."""
-    token = CAPTURING.set(True)
+def run_captured(run, args: tuple, real_rows: torch.Tensor):
+    """The step as it is captured (and, off CUDA, replayed): the model takes its fixed-shape paths,
+    and `real_rows` [] says where the padding starts."""
+    token, rows_token = CAPTURING.set(True), REAL_ROWS.set(real_rows)
     try:
         return run(*args)
     finally:
+        REAL_ROWS.reset(rows_token)
         CAPTURING.reset(token)
 
 

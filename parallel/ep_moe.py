@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
-from moespec.models.layers import CAPTURING, OP_OBJECTS
+from moespec.models.layers import CAPTURING, OP_OBJECTS, REAL_ROWS
 from moespec.models.moe import LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
@@ -271,7 +271,10 @@ class EPExperts(LocalExperts):
                       shared: SharedExperts) -> torch.Tensor:
         """Routed (+ shared) expert output [T, M]: the whole batch, or (microbatching) its halves
         [0, split) and [split, T) in turns, each half's transfers in flight while the other
-        computes. Both halves run, empty or not, so the collectives pair up across ranks."""
+        computes. Both halves run, empty or not, so the collectives pair up across ranks. In a
+        captured step the padded rows route to no expert (id -1): they take no room in the
+        exchange and no expert time, and come back as zeros."""
+        topk_ids = mask_padding(topk_ids)
         split = self.runtime.split
         if split is None:
             return drive(self.stages(x, topk_ids, topk_weights, shared))
@@ -380,6 +383,16 @@ class EPExperts(LocalExperts):
         back = self.runtime.collectives.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
         lo, hi = self.runtime.rows_of(received.num_tokens)
         return y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
+
+
+def mask_padding(topk_ids: torch.Tensor) -> torch.Tensor:
+    """topk_ids [T, A] with the rows past a captured step's real ones (`REAL_ROWS`, a device
+    scalar) routed to no expert (-1); unchanged outside a captured step."""
+    real = REAL_ROWS.get()
+    if real is None:
+        return topk_ids
+    padded = torch.arange(topk_ids.shape[0], device=topk_ids.device) >= real  # [T]
+    return topk_ids.masked_fill(padded[:, None], -1)
 
 
 def gather_shards(coll: Collectives, shard: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -89,15 +89,17 @@ class GlooExchange:
         return self.runtime.stream.submit("combine", self.combine_now, y, topk_weights, received.handle)
 
     def dispatch_now(self, x: torch.Tensor, topk_ids: torch.Tensor, C: int) -> Received:
-        """x [T, M], topk_ids [T, A] -> each local expert's rows from every rank."""
+        """x [T, M], topk_ids [T, A] (-1: no expert, a captured step's padded row) -> each local
+        expert's rows from every rank."""
         (T, M), E, G, L = x.shape, self.num_experts, self.size, self.num_local
         expert = topk_ids.flatten()  # [T*A]
         hits = (expert[:, None] == torch.arange(E, device=x.device)).long()  # [T*A, E] (F.one_hot checks ids on the host)
-        slot = (hits.cumsum(0) * hits).sum(1) - 1  # [T*A] the pair's row among its expert's pairs
+        slot = (hits.cumsum(0) * hits).sum(1) - 1  # [T*A] the pair's row among its expert's pairs; -1: none
         counts = hits.sum(0)  # [E] rows sent to each expert
-        send = x.new_zeros(E, C, M)
-        send[expert, slot] = x.repeat_interleave(topk_ids.shape[1], dim=0)
-        payload = torch.cat([send.view(E, -1).view(torch.uint8), counts[:, None].view(torch.uint8)], dim=1)
+        send = x.new_zeros(E + 1, C, M)  # block E takes the pairs of no expert, and is not sent
+        send[expert.where(expert >= 0, E), slot.clamp(min=0)] = x.repeat_interleave(topk_ids.shape[1], dim=0)
+        send = send[:E]
+        payload = torch.cat([send.reshape(E, -1).view(torch.uint8), counts[:, None].view(torch.uint8)], dim=1)
         row = M * x.element_size()
         got = self.runtime.collectives.all_to_all_fixed(payload, lambda: self.remote_rows(counts.view(G, L)) * row)
         # got: [G*L, bytes] from each source rank
@@ -128,6 +130,7 @@ class GlooExchange:
                                                         lambda: self.remote_rows(recv_counts) * row)
         # got: [E, C*M] the outputs of this rank's pairs
         pairs = got.view(-1, C, M)[handle.pair_expert, handle.pair_slot]  # [T*A, M]
+        pairs = pairs.masked_fill((handle.pair_expert < 0)[:, None], 0)  # pairs of no expert add nothing
         A = topk_weights.shape[1]
         return (pairs.view(T, A, M) * topk_weights[..., None].to(pairs.dtype)).sum(1)
 

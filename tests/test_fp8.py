@@ -82,7 +82,8 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
     from moespec.static_step import run_captured
     tokens, ids = x[0], torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
     weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))
-    replay = CheckedReplay(lambda: (run_captured(experts, (tokens, ids, weights)),))
+    real_rows = torch.tensor(5)
+    replay = CheckedReplay(lambda: (run_captured(experts, (tokens, ids, weights), real_rows),))
     ids.copy_(torch.tensor([[1, 2], [1, 0], [1, 2], [1, 0], [2, 0]]))
     assert torch.allclose(replay.replay()[0], experts.forward_grouped(tokens, ids, weights), rtol=1e-4, atol=1e-5)
 

@@ -295,6 +295,33 @@ def test_a_captured_step_cleans_deepeps_buffer_after_normal_mode():
     assert cleaned == [(64, 7168, 256)] and runtime.buffer_mode == "low_latency"
 
 
+def test_a_captured_steps_padded_rows_take_no_room_in_the_exchange():
+    """In a captured step the rows past the real ones route to no expert: the fixed-capacity
+    exchange carries the real rows' (token, expert) pairs only, their outputs equal those of the
+    real rows alone, and the padded rows come back as zeros."""
+    from moespec.parallel.groups import single_process_context
+    from moespec.static_step import run_captured
+    runtime = EPRuntime(single_process_context(ParallelSection()), max_tokens_per_rank=8)
+    try:
+        torch.manual_seed(0)
+        experts = EPExperts(8, 16, 8, runtime, 2)
+        gen = torch.Generator().manual_seed(1)
+        x, weights = torch.randn(6, 16, generator=gen), torch.rand(6, 2, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
+        exchange, dispatched = runtime.exchange(8), []
+        dispatch_now = exchange.dispatch_now
+        exchange.dispatch_now = lambda *args: dispatched.append(dispatch_now(*args)) or dispatched[-1]
+        with runtime.step([0, 4], low_latency=True):
+            alone = experts(x[:4], ids[:4], weights[:4])
+        with runtime.step([0, 6], low_latency=True):
+            got = run_captured(experts, (x, ids, weights), torch.tensor(4))
+        assert [int(d.counts.sum()) for d in dispatched] == [8, 8]  # 4 real rows x top-2, both times
+        torch.testing.assert_close(got[:4], alone)
+        assert not got[4:].any()
+    finally:
+        runtime.close()
+
+
 def test_interleave_takes_turns_and_returns_each_result():
     """models/two_batch.py: generators stepped first, second, first, ... until each ends; a
     shorter one drops out; `drive` runs one alone."""
