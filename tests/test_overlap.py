@@ -186,7 +186,9 @@ def test_speculation_overlapped_gives_the_same_tokens(llama_pair, deepseek_mtp, 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     stats = llm.engine.stats
     assert llm.engine.in_flight is None and stats.spec_steps > 0
-    assert stats.spec_host_s + stats.spec_device_s > stats.spec_wall_s  # host work ran beside the device
+    # steps were prepared while the one before was in flight (whether the two threads then really ran
+    # at once depends on the machine's load: benchmarks measure that, as decode_hidden_share)
+    assert stats.ahead_steps > 0
 
 
 def test_speculative_sampling_overlapped_follows_the_model(deepseek_mtp):
