@@ -130,7 +130,9 @@ def test_tokenization_runs_off_the_engine_thread(checkpoint):
         timed_completion(server.url, results, "beside")
         slow_request.join()
     assert results["slow"] == 200 and slow.threads and "moespec-engine" not in slow.threads
-    assert results["beside"][1] == 200 and results["beside"][0] < results["alone"][0] + 0.5, results
+    # on the engine thread the 3 s tokenization would hold the other request ~2.7 s; a loaded machine
+    # slows it by a few tenths (0.5 s of margin once missed by 5 ms in CI)
+    assert results["beside"][1] == 200 and results["beside"][0] < results["alone"][0] + 1.5, results
 
 
 def test_watchdog_fails_health_and_names_the_stuck_phase(checkpoint):
