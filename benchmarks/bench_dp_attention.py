@@ -84,7 +84,6 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict | None:
                 pair = SETTINGS[args.compare]
                 for label, setting in pair if rnd % 2 == 0 else pair[::-1]:
                     config = engine_config(setting, spec, args)
-                    ranks.runtime.configure(config.parallel)
                     engine = Engine(config, ranks=ranks)
                     engine.warm_up()  # model.compile: every bucket now, on every rank (no collectives)
                     if ranks.ctx.leader:

@@ -225,7 +225,6 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
         raise ParallelError(f"world size {ctx.world_size} != parallel.ep_size {ctx.ep_size}: run one expert-parallel "
                             "group (one rank per GPU of the group)")
     runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, max_tokens_per_rank=dispatch_capacity(config))
-    runtime.configure(config.parallel)
     return Ranks(ctx, runtime, Channel.connect(ctx))
 
 

@@ -295,7 +295,8 @@ class StaticSteps:
         if self.spec.capture:
             if self.runtime is not None:
                 self.runtime.before_replay()
-            hidden, logits = self.captured_for(shape, inputs, T).replay(*inputs, T)
+            real_rows = T if self.runtime is not None else None  # only the expert exchange reads it
+            hidden, logits = self.captured_for(shape, inputs, real_rows).replay(*inputs, real_rows)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
@@ -320,7 +321,7 @@ class StaticSteps:
                                                  isolate_recompiles=True, options=options)
         return self.compiled[shape]
 
-    def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple, real_rows: int) -> CapturedStep:
+    def captured_for(self, shape: tuple[int, int, int, int], inputs: tuple, real_rows: int | None) -> CapturedStep:
         """The captured step of one shape (B, T, N, KV length), captured now from these inputs
         (`real_rows` of them before the padding) if it is new (the compiled step when
         model.compile is on too)."""
@@ -340,17 +341,19 @@ class CapturedStep:
     replay refills in place, the graph, and its outputs. The model's weights and KV cache are
     read where they are."""
 
-    def __init__(self, run, inputs: tuple, graphs, real_rows: int) -> None:
+    def __init__(self, run, inputs: tuple, graphs, real_rows: int | None) -> None:
+        """`real_rows`: the rows before the padding, kept as a device scalar the graph reads (across
+        ranks, where the MoE layers keep padded rows out of the exchange); None: not kept."""
         ids, positions, sample, ctx, hidden = inputs
         self.buffers = [t.clone() for t in (ids, positions, sample) + ((hidden,) if hidden is not None else ())]
-        self.real_rows = torch.tensor(real_rows, device=ids.device)  # [] the real rows of this replay's batch
+        self.real_rows = None if real_rows is None else torch.tensor(real_rows, device=ids.device)  # []
         self.backend = ctx.backend.static_plan()  # the plan's tensors, at addresses of their own
         fixed = ForwardContext(self.backend, ctx.caches)
         args = (*self.buffers[:3], fixed, self.buffers[3] if hidden is not None else None)
         self.graph = graphs.capture(lambda: run_captured(run, args, self.real_rows))
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, sample: torch.Tensor, ctx: ForwardContext,
-               hidden: torch.Tensor | None, real_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+               hidden: torch.Tensor | None, real_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden [T, M], logits [N, V]) of this step's inputs, copies of the graph's outputs
         (the next replay overwrites those); `real_rows`: the batch's rows before its padding."""
         names = ("token ids", "positions", "sampled rows", "input hidden states")
@@ -358,14 +361,15 @@ class CapturedStep:
             if buffer.shape != value.shape:
                 raise CaptureError(f"{name} {tuple(value.shape)} differ from the captured {tuple(buffer.shape)}")
             buffer.copy_(value)
-        self.real_rows.fill_(real_rows)
+        if self.real_rows is not None:
+            self.real_rows.fill_(real_rows)
         self.backend.load_plan(ctx.backend)
         return tuple(out.clone() for out in self.graph.replay())
 
 
-def run_captured(run, args: tuple, real_rows: torch.Tensor):
+def run_captured(run, args: tuple, real_rows: torch.Tensor | None):
     """The step as it is captured (and, off CUDA, replayed): the model takes its fixed-shape paths,
-    and `real_rows` [] says where the padding starts."""
+    and `real_rows` [] (when kept) says where the padding starts."""
     token, rows_token = CAPTURING.set(True), REAL_ROWS.set(real_rows)
     try:
         return run(*args)

@@ -246,7 +246,8 @@ class EPExperts(LocalExperts):
         """The compiled step's call: x [T', M] padded past the step's real rows; only the real ones
         are exchanged (padded rows must not reach other ranks, nor count against the agreed
         capacity), the padded ones get zeros. Outside a step (compiling at warm-up) nothing is
-        exchanged. A captured step exchanges every row: its shapes are the padded batch's."""
+        exchanged. A captured step passes every row (its shapes are the padded batch's), and
+        `forward_eager` routes the padded ones to no expert."""
         if CAPTURING.get():
             return self.forward_eager(x, topk_ids, topk_weights, self.shared)
         T = self.runtime.num_tokens if self.runtime.active else 0

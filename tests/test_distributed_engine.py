@@ -111,8 +111,7 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
                 import moespec.static_step as static_step
                 static_step.COMPILE_BACKEND = s["compile"]
             runtime, two_batch_before = ranks.runtime, ranks.runtime.two_batch_plans
-            runtime.configure(config.parallel)
-            engine = Engine(config, ranks=ranks)
+            engine = Engine(config, ranks=ranks)  # which configures the runtime for its config
             if s.get("cuda_graph"):
                 engine.warm_up()  # every rank captures alike (serving captures nothing across ranks)
             if ranks.ctx.leader:

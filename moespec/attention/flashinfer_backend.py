@@ -118,7 +118,6 @@ class FlashInferAttention:
             raise ValueError("a captured FlashInfer step needs kv_capacity, the KV positions its buffers hold")
         pages = host.num_requests * -(-self.kv_capacity // host.page_size)
         fixed = FlashInferAttention(self.device, self.get_workspace(), (host.num_requests, pages))
-        fixed.kv_capacity = self.kv_capacity
         fixed.meta, fixed.slots = self.meta, self.slots.clone()
         return fixed
 
