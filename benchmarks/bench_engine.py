@@ -11,7 +11,10 @@ packed weights).
 Every side generates `max-tokens` tokens for the same prompts, after the same warm-up; the sides
 take turns in each repeat and each reports the median, its speedup the median of the per-repeat
 ratios. Tokens/s counts generated tokens over wall time of the whole call (prefill included, as
-a user sees it). The engine's decode-step host share (scheduling, batch packing, attention
+a user sees it). linears_ms_per_step is one pass over the model's linears at the batch's rows, as
+the engine runs them (packed or not), timed alone: every decode step runs each once, so
+speedup_ceiling, transformers' time over max-tokens such passes, bounds every engine's speedup
+from above (prefill and everything but the linears taken as free). The engine's decode-step host share (scheduling, batch packing, attention
 planning, sampling tensors, postprocess) comes from its per-phase timers; decode_hidden_share
 is the share of host + device time that overlap hid (host work done while the device ran).
 """
@@ -61,6 +64,44 @@ def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     return elapsed, {"decode_steps": delta["decode_steps"], "decode_host_share": round(delta["decode_host_s"] / busy, 3),
                      "decode_hidden_share": round(hidden, 3),
                      "decode_step_ms": round(1e3 * delta["decode_wall_s"] / max(delta["decode_steps"], 1), 3)}
+
+
+def decode_linears(llm: LLM, prompts: list[list[int]]) -> list[torch.nn.Linear]:
+    """The linears of the engine's model that a decode step of `prompts` runs (a forward hook sees
+    them take one row per request), in the order it runs them."""
+    seen: dict[int, torch.nn.Linear] = {}
+
+    def record(module, args) -> None:
+        if args[0].shape[0] == len(prompts):
+            seen.setdefault(id(module), module)
+
+    handles = [m.register_forward_pre_hook(record) for m in llm.engine.model.modules()
+               if isinstance(m, torch.nn.Linear)]
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return list(seen.values())
+
+
+def time_linears(linears: list[torch.nn.Linear], rows: int, repeats: int = 7, passes: int = 20) -> float:
+    """Seconds of one pass over `linears` at `rows` rows, each run as the engine runs it (packed or
+    not), weights in turn as a forward reads them: the median of `repeats`."""
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+    with torch.inference_mode():
+        def run_pass() -> None:
+            for m in linears:
+                m(inputs[m.in_features])
+        for _ in range(3):
+            run_pass()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(passes):
+                run_pass()
+            times.append((time.perf_counter() - start) / passes)
+    return statistics.median(times)
 
 
 def profile_decode(llm: LLM, prompts: list[list[int]], max_tokens: int, top: int = 25) -> str:
@@ -122,6 +163,10 @@ def main() -> None:
                 seconds[name].append(elapsed)
         tokens = batch * args.max_tokens
         row = {"batch": batch, "hf_tok_s": round(tokens / statistics.median(seconds["hf"]), 1)}
+        # what no engine of these weights can beat: every decode step runs every linear once
+        linears_s = time_linears(decode_linears(engines["eager"], prompts), batch)
+        row["linears_ms_per_step"] = round(1e3 * linears_s, 3)
+        row["speedup_ceiling"] = round(statistics.median(seconds["hf"]) / (args.max_tokens * linears_s), 2)
         for name in engines:
             row[f"{name}_tok_s"] = round(tokens / statistics.median(seconds[name]), 1)
             row[f"{name}_speedup"] = round(statistics.median(h / o for h, o in zip(seconds["hf"], seconds[name])), 2)

@@ -55,7 +55,7 @@ class RequestMetrics:
         return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity (the scheduler's list lookups)
 class Sequence:
     request_id: str
     prompt_ids: list[int]
