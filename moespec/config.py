@@ -185,9 +185,6 @@ class EngineConfig:
         if not self.uses_fixed_exchange:  # the uneven exchange reads counts on the host
             raise ConfigError("model.cuda_graph across ranks needs the fixed-capacity expert exchange: set "
                               "parallel.moe_exchange: fixed (or moe_backend: deepep)")
-        for key in ("microbatch", "two_batch_overlap"):
-            if getattr(p, key):  # a captured step runs whole, and every rank must issue its collectives alike
-                raise ConfigError(f"model.cuda_graph across ranks runs each step whole: set parallel.{key}: false")
 
     def check_tree(self) -> None:
         k = self.speculation.num_speculative_tokens

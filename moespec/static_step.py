@@ -293,10 +293,7 @@ class StaticSteps:
             return hidden[:T], logits[:num_sampled]
         start = time.perf_counter() if shape not in self.compiled and shape not in self.captured else None
         if self.spec.capture:
-            if self.runtime is not None:
-                self.runtime.before_replay()
-            real_rows = T if self.runtime is not None else None  # only the expert exchange reads it
-            hidden, logits = self.captured_for(shape, inputs, real_rows).replay(*inputs, real_rows)
+            hidden, logits = self.replay(shape, inputs, b, T)
         else:
             hidden, logits = self.compiled_for(shape)(*inputs)
         if start is not None:
@@ -305,6 +302,17 @@ class StaticSteps:
                         "captured" if self.spec.capture else "compiled", shape[0], shape[1] // shape[0],
                         shape[3], time.perf_counter() - start)
         return hidden[:T], logits[:num_sampled]
+
+    def replay(self, shape: tuple[int, int, int, int], inputs: tuple, padded: Batch,
+               real_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured step of `shape` over `inputs` (captured now if new). Across ranks its MoE
+        layers split the padded batch where they split it at capture, and keep the padded rows
+        (past `real_rows`) out of the exchange."""
+        if self.runtime is None:
+            return self.captured_for(shape, inputs, None).replay(*inputs, None)
+        self.runtime.before_replay()
+        with self.runtime.padded_split(padded.qo_bounds):
+            return self.captured_for(shape, inputs, real_rows).replay(*inputs, real_rows)
 
     def compiled_for(self, shape: tuple[int, int, int, int]):
         """The compiled step of one shape (B, T, N, L): its own dynamo cache entry, replayed without

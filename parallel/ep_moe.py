@@ -56,6 +56,7 @@ class EPRuntime:
         self.ctx, self.backend, self.microbatch, self.dp = ctx, backend, microbatch, dp
         self.two_batch = two_batch  # the halves take turns across whole forwards (two_batch_split)
         self.two_batch_plans = 0  # forwards planned as two halves so far
+        self.captured_halves = 0  # MoE forwards of captured steps run as two microbatches so far
         self.max_tokens_per_rank = max_tokens_per_rank  # DeepEP low-latency buffers: D * (1 + k)
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
@@ -133,6 +134,18 @@ class EPRuntime:
         low-latency call would."""
         if self.buffer is not None and self.buffer_mode == "normal":
             self.deepep_buffer(*self.buffer_shape, low_latency=True)
+
+    @contextmanager
+    def padded_split(self, qo_bounds: Sequence[int]) -> Iterator[None]:
+        """A captured step's microbatch split: `split_point` of its padded batch's bounds (host
+        ints), the one its capture took (`step` over the padded batch), at every replay, whichever
+        rows of the batch are real (a graph holds the split it was captured with)."""
+        saved = self.split
+        self.split = split_point(qo_bounds) if self.microbatch else None
+        try:
+            yield
+        finally:
+            self.split = saved
 
     def call_capacity(self, num_tokens: int) -> int | None:
         """C of one fixed-capacity call over a batch (or half) of num_tokens, the same on every rank:
@@ -279,6 +292,7 @@ class EPExperts(LocalExperts):
         split = self.runtime.split
         if split is None:
             return drive(self.stages(x, topk_ids, topk_weights, shared))
+        self.runtime.captured_halves += CAPTURING.get()
         halves = (slice(0, split), slice(split, x.shape[0]))
         return torch.cat(interleave([self.stages(x[h], topk_ids[h], topk_weights[h], shared, first=i == 0)
                                      for i, h in enumerate(halves)]))

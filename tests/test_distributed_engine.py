@@ -76,16 +76,17 @@ def tree_steps(engine) -> int:
     return sum(steps for steps, _ in engine.spec_stats.by_tree.values())
 
 
-def step_counts(engine) -> tuple[int, int, int, int, int, int]:
+def step_counts(engine) -> tuple[int, int, int, int, int, int, int]:
     """Overlap: steps agreed while the step before ran, verify steps among them prepared for its
     longest outcome, and steps prepared again once it was processed; model.compile: the static
     step shapes compiled (target and MTP layer); model.cuda_graph: replays of captured steps, and
-    static steps run eager instead (the step's exchange was not the fixed one)."""
+    static steps run eager instead (the step's exchange was not the fixed one), and MoE forwards
+    of captured steps run as two microbatches."""
     s = engine.stats
     statics = [st for st in (engine.runner.static, getattr(engine.speculator, "static", None)) if st]
     replays = sum(step.graph.replays for st in statics for step in st.captured.values())
     return (s.ahead_steps, s.shifted_steps, s.prepared_again, sum(len(st.shapes) for st in statics), replays,
-            sum(st.eager_runs for st in statics))
+            sum(st.eager_runs for st in statics), engine.lockstep.runtime.captured_halves if engine.lockstep else 0)
 
 
 def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
@@ -111,6 +112,7 @@ def rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
                 import moespec.static_step as static_step
                 static_step.COMPILE_BACKEND = s["compile"]
             runtime, two_batch_before = ranks.runtime, ranks.runtime.two_batch_plans
+            runtime.captured_halves = 0  # counted per scenario (step_counts)
             engine = Engine(config, ranks=ranks)  # which configures the runtime for its config
             if s.get("cuda_graph"):
                 engine.warm_up()  # every rank captures alike (serving captures nothing across ranks)
@@ -270,6 +272,8 @@ def test_captured_steps_across_ranks_match_one_process(paths):
         {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "microbatch": False},
         {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "microbatch": False, "overlap": True},
         {"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True, "microbatch": False, "attention": "replicated"},
+        {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True},
+        {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "two_batch": True},
     ]
     results = check_runs(paths, 2, scenarios)
     for i, s in enumerate(scenarios):
@@ -277,6 +281,8 @@ def test_captured_steps_across_ranks_match_one_process(paths):
         assert all(c[4] > 0 for c in counts), (s, counts)  # every rank replayed captured steps
         if s["requests"] is STAGGERED:
             assert sum(c[5] for c in counts) > 0, (s, counts)  # and ran some eager (a rank was prefilling)
+        microbatched = s.get("microbatch", True) or s.get("two_batch", False)
+        assert all((c[6] > 0) == microbatched for c in counts), (s, counts)  # captured as two microbatches
 
 
 def test_two_batch_overlap_matches_one_process(paths):
