@@ -11,12 +11,15 @@ packed weights).
 Every side generates `max-tokens` tokens for the same prompts, after the same warm-up; the sides
 take turns in each repeat and each reports the median, its speedup the median of the per-repeat
 ratios. Tokens/s counts generated tokens over wall time of the whole call (prefill included, as
-a user sees it). linears_ms_per_step is one pass over the model's linears at the batch's rows, as
-the engine runs them (packed or not), timed alone: every decode step runs each once, so
-speedup_ceiling, transformers' time over max-tokens such passes, bounds every engine's speedup
-from above (prefill and everything but the linears taken as free). The engine's decode-step host share (scheduling, batch packing, attention
+a user sees it). The engine's decode-step host share (scheduling, batch packing, attention
 planning, sampling tensors, postprocess) comes from its per-phase timers; decode_hidden_share
 is the share of host + device time that overlap hid (host work done while the device ran).
+
+linears_ms_per_step is one pass over the linears a decode step runs, at the batch's rows, each
+as the engine runs it (packed or not), timed alone. Every decode step runs each of them once, so
+speedup_ceiling (transformers' time over max-tokens such passes) bounds every engine's speedup
+over transformers from above, with prefill and everything but the linears taken as free (a MoE
+model's routed experts are not linears: leaving them out only loosens the bound).
 """
 from __future__ import annotations
 
