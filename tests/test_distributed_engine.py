@@ -285,6 +285,16 @@ def test_captured_steps_across_ranks_match_one_process(paths):
         assert all((c[6] > 0) == microbatched for c in counts), (s, counts)  # captured as two microbatches
 
 
+@pytest.mark.slow
+def test_compiled_and_captured_steps_across_ranks_match_one_process(paths):
+    """model.compile and model.cuda_graph together at EP=2: each rank captures its compiled steps
+    (dynamo's eager backend, the EP layers as opaque ops) in the warm-up and replays them (checked
+    replays). Greedy output equals one eager process for MTP k = 1. About 40 s."""
+    results = check_runs(paths, 2, [{"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True, "compile": "eager"}])
+    counts = [r.value[0][7] for r in results]
+    assert all(c[4] > 0 for c in counts), counts  # every rank replayed captured steps
+
+
 def test_two_batch_overlap_matches_one_process(paths):
     """parallel.two_batch_overlap at EP=2: forwards of two or more requests run as two halves that
     take turns through every layer (one half's attention beside the other's exchange), batches of
