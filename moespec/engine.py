@@ -767,9 +767,11 @@ class Engine:
         return EngineOutputs(outputs.updated + changed)
 
     def build_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
+        device = self.runner.device
         batch = SamplingBatch.build([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                    [s.output_ids for s in seqs], self.vocab_size, self.runner.device,
-                                    eos_token_ids=tuple(self.eos_ids), shared_generator=self.generator)
+                                    [s.output_ids for s in seqs], self.vocab_size, device,
+                                    eos_token_ids=tuple(self.eos_ids), shared_generator=self.generator,
+                                    counts=[s.counts_for(self.vocab_size, device) for s in seqs])
         states = [s.grammar for s in seqs]
         return batch.constrained(self.grammars.masks(states), self.vocab_size) if any(states) else batch
 

@@ -29,6 +29,7 @@ from moespec.config import ConfigError, EngineConfig
 
 GiB = 2**30
 ACTIVATION_WORKSPACE = 256 * 2**20  # attention planning and sampling scratch
+PENALTY_COUNT_BYTES = 5  # per vocabulary entry of a penalized request: a bool and a float32 (sampling.TokenCounts)
 RESERVE = {"cuda": 4 * GiB, "cpu": 1 * GiB}  # CUDA context, NCCL buffers, allocator slack / the Python process
 
 
@@ -233,6 +234,9 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
                                                                  dtype),
                                     "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
     components += deepep_components(config, model_config)
+    components.append(Component("penalty counts", sched.max_num_seqs * PENALTY_COUNT_BYTES * model_config.vocab_size,
+                                "kept for running requests with penalties (sampling.TokenCounts): "
+                                "max_num_seqs x 5 bytes x vocab"))
     sampled = sched.max_num_seqs * (1 + k)
     dp = config.parallel.attention == "dp" and config.parallel.ep_size > 1
     components.append(Component("activations", activation_bytes(model_config, sched.max_num_batched_tokens,

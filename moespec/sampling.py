@@ -222,12 +222,17 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         shared_generator: torch.Generator | None = None,
+        counts: Sequence[TokenCounts | None] | None = None,
     ) -> SamplingBatch:
-        """Row i samples the token at position len(prompt_ids[i]) + len(output_ids[i])."""
+        """Row i samples the token at position len(prompt_ids[i]) + len(output_ids[i]).
+        `counts`: per row, its request's tokens as penalties read them, kept across steps
+        (TokenCounts, caught up with the request's outputs, which output_ids[i] may extend by a
+        draft chain's tokens); a row without them (None, or no `counts`) counts its lists."""
         N, V, device = len(params), vocab_size, torch.device(device)
-        if not len(prompt_ids) == len(output_ids) == N:
+        if not len(prompt_ids) == len(output_ids) == N or (counts is not None and len(counts) != N):
             raise ValueError(f"SamplingBatch.build needs one entry per row: got {N} params, {len(prompt_ids)} "
-                             f"prompts, {len(output_ids)} outputs")
+                             f"prompts, {len(output_ids)} outputs"
+                             + (f", {len(counts)} token counts" if counts is not None else ""))
         _check_token_ids(params, V)
         greedy = [p.greedy for p in params]
         sampled = [p for p in params if not p.greedy]
@@ -238,6 +243,8 @@ class SamplingBatch:
         # Greedy rows become one-hots later; k = 1 keeps them from widening the top-k pass.
         top_ks = [1 if g else min(p.top_k, V) if p.top_k > 0 else V for p, g in zip(params, greedy)]
         seeded = [row for row, p in enumerate(params) if p.seed is not None and not p.greedy]
+        seen, output_counts = _penalty_counts(prompt_ids, output_ids, counts or [None] * N,
+                                              [r != 1 for r in rep], needs_counts, V, device)
         return cls(
             shared_generator=shared_generator,
             device=device,
@@ -256,10 +263,10 @@ class SamplingBatch:
             top_p=_optional_row_tensor([p.top_p for p in params], any(p.top_p < 1 for p in sampled), device),
             min_p=_optional_row_tensor([p.min_p for p in params], any(p.min_p > 0 for p in sampled), device),
             repetition_penalty=_optional_row_tensor(rep, any(r != 1 for r in rep), device),
-            seen=_seen_tokens(prompt_ids, output_ids, [r != 1 for r in rep], V, device),
+            seen=seen,
             frequency_penalty=_optional_row_tensor(freq, any(needs_counts), device),
             presence_penalty=_optional_row_tensor(pres, any(needs_counts), device),
-            output_counts=_count_output_tokens(output_ids, needs_counts, V, device),
+            output_counts=output_counts,
             logit_bias=_scatter_bias(params, V, device) if any(p.logit_bias for p in params) else None,
             banned=_banned_tokens(params, output_ids, eos_token_ids, device),
             num_logprobs=tuple(p.logprobs for p in params),
@@ -294,27 +301,74 @@ def _optional_row_tensor(values: list, needed: bool, device: torch.device,
     return _row_tensor(values, dtype, device) if needed else None
 
 
-def _count_tokens(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    counts = torch.zeros(len(token_lists), vocab_size, device=device)  # [N,V]
-    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
-    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.int64)
-    counts.index_put_((rows.to(device), ids.to(device)), torch.ones(len(ids), device=device), accumulate=True)
-    return counts
+class TokenCounts:
+    """A request's tokens as penalties read them, on the device, kept across its steps: its
+    prompt's tokens marked once, its outputs counted as they are appended (`catch_up`). A step
+    then counts only the tokens new since the last one rather than the whole context, whose cost
+    grew with every token on the engine thread, and so slowed every request in the batch
+    (`benchmarks/bench_sampling_build.py`). V x 5 bytes per request with penalties, dropped when
+    it finishes or is preempted."""
+
+    # Normal tensors wherever made (engine steps and draft chains differ in inference mode): an
+    # inference tensor could not be updated in place outside inference mode.
+    @torch.inference_mode(False)
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str) -> None:
+        ids = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)  # [V]
+        self.outputs = torch.zeros(vocab_size, device=device)  # [V] float32: how often each token was output
+        self.num_outputs = 0  # the leading outputs counted in it
+
+    def serves(self, vocab_size: int, device: torch.device | str) -> bool:
+        """Whether these counts are over `vocab_size` tokens on `device`."""
+        device, mine = torch.device(device), self.outputs.device
+        return self.outputs.numel() == vocab_size and mine.type == device.type and device.index in (None, mine.index)
+
+    @torch.inference_mode(False)
+    def catch_up(self, output_ids: list[int]) -> TokenCounts:
+        """Count the outputs appended since the last call (a request's outputs only grow)."""
+        new = output_ids[self.num_outputs:]
+        if len(output_ids) < self.num_outputs or (new and min(new) < 0):
+            raise ValueError(f"TokenCounts.catch_up: outputs of length {len(output_ids)} (smallest new id "
+                             f"{min(new, default=None)}) do not extend the {self.num_outputs} counted")
+        if new:
+            ids = torch.tensor(new, dtype=torch.int64, device=self.outputs.device)
+            self.outputs.index_put_((ids,), torch.ones(len(new), device=self.outputs.device), accumulate=True)
+        self.num_outputs = len(output_ids)
+        return self
 
 
-def _seen_tokens(prompt_ids: list[list[int]], output_ids: list[list[int]], rows_needed: list[bool],
-                 vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    if not any(rows_needed):
-        return None
-    seen = [pr + out if need else [] for pr, out, need in zip(prompt_ids, output_ids, rows_needed)]
-    return _count_tokens(seen, vocab_size, device) > 0
-
-
-def _count_output_tokens(output_ids: list[list[int]], rows_needed: list[bool], vocab_size: int,
-                         device: torch.device) -> torch.Tensor | None:
-    if not any(rows_needed):
-        return None
-    return _count_tokens([out if need else [] for out, need in zip(output_ids, rows_needed)], vocab_size, device)
+def _penalty_counts(prompt_ids: list[list[int]], output_ids: list[list[int]], counts: Sequence[TokenCounts | None],
+                    seen_needed: list[bool], counts_needed: list[bool], vocab_size: int,
+                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """-> (seen [N,V] bool, prompt + output tokens of the rows in seen_needed; output counts [N,V]
+    float32 of the rows in counts_needed), None where no row needs them. A row's kept TokenCounts
+    cover its leading outputs; the rest (a draft chain's tokens) are counted for this step only."""
+    needed = [s or c for s, c in zip(seen_needed, counts_needed)]
+    if not any(needed):
+        return None, None
+    rows = [row for row, need in enumerate(needed) if need]
+    kept = [counts[r] or TokenCounts(prompt_ids[r], vocab_size, device) for r in rows]
+    for r, k in zip(rows, kept):
+        if len(output_ids[r]) < k.num_outputs:
+            raise ValueError(f"row {r}: {len(output_ids[r])} outputs, fewer than its TokenCounts counted "
+                             f"({k.num_outputs})")
+    extra = [output_ids[r][k.num_outputs:] for r, k in zip(rows, kept)]
+    outputs = torch.stack([k.outputs for k in kept])  # [n, V]
+    if any(extra):
+        at = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(e) for e in extra]))
+        ids = torch.tensor([t for e in extra for t in e], dtype=torch.int64)
+        outputs.index_put_((at.to(device), ids.to(device)), torch.ones(len(ids), device=device), accumulate=True)
+    seen = torch.stack([k.prompt_seen for k in kept]).logical_or_(outputs > 0) if any(seen_needed) else None
+    if seen is not None and not all(seen_needed[r] for r in rows):  # rows with counts alone see nothing
+        seen &= torch.tensor([seen_needed[r] for r in rows], device=device)[:, None]
+    counted = outputs if any(counts_needed) else None
+    if counted is not None and not all(counts_needed[r] for r in rows):  # rows with seen alone count nothing
+        counted *= torch.tensor([counts_needed[r] for r in rows], device=device)[:, None]
+    if len(rows) < len(needed):  # rows with neither stay zero
+        index = torch.tensor(rows, device=device)
+        seen = None if seen is None else seen.new_zeros(len(needed), vocab_size).index_copy_(0, index, seen)
+        counted = None if counted is None else counted.new_zeros(len(needed), vocab_size).index_copy_(0, index, counted)
+    return seen, counted
 
 
 def _scatter_bias(params: list[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -101,6 +101,7 @@ class Scheduler:
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_published = seq.num_ready = 0
+        seq.token_counts = None  # rebuilt if it runs again: memory for penalties is held by running requests only
 
     # ------------------------------------------------------------------ one step
 

@@ -5,7 +5,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from moespec.sampling import SamplingParams
+import torch
+
+from moespec.sampling import SamplingParams, TokenCounts
 
 PENDING = -1  # an output token the device has sampled and the host has not read yet (moespec.overlap)
 
@@ -77,6 +79,7 @@ class Sequence:
     num_published: int = 0  # leading pages published to the prefix cache (or found there)
     num_ready: int = 0  # leading pages whose speculator KV is in the cache too
     grammar: object | None = None  # structured.GrammarState: the grammar has seen output_ids
+    token_counts: TokenCounts | None = None  # what penalties read, kept while it runs (`counts_for`)
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +106,16 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n: end - n]
         return self.prompt_ids[start:end] + self.output_ids[: max(end - n, 0)]
+
+    def counts_for(self, vocab_size: int, device: torch.device | str) -> TokenCounts | None:
+        """Its tokens as its penalties read them, caught up with its outputs; None without
+        repetition, frequency or presence penalties. Its outputs hold no placeholder then: a
+        penalized request's steps never overlap (engine.needs_host_token)."""
+        if not self.params.penalized:
+            return None
+        if self.token_counts is None or not self.token_counts.serves(vocab_size, device):
+            self.token_counts = TokenCounts(self.prompt_ids, vocab_size, device)
+        return self.token_counts.catch_up(self.output_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -52,6 +52,43 @@ def test_output_independent_of_batch_and_preemption(tiny):
     assert [o.token_ids for o in outs[:2]] == alone
 
 
+def test_penalties_keep_counts_across_steps_and_preemption(tiny, monkeypatch):
+    """A penalized request's token counts are made once and caught up at each step, dropped when
+    it is preempted and made again when it runs; its tokens equal greedy decoding with the
+    penalties counted from the whole token lists at every step."""
+    from reference import paged_forward
+
+    import moespec.sequence as sequence
+    from moespec.sampling import SamplingBatch, greedy_tokens
+    path, _ = tiny
+    made = []
+
+    class Counted(sequence.TokenCounts):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(sequence, "TokenCounts", Counted)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, repetition_penalty=1.6,
+                            frequency_penalty=0.4, presence_penalty=0.3)
+    batch = prompts([7, 13, 21, 4], seed=2)
+    llm = LLM(model=path, page_size=4, num_kv_pages=12, max_num_batched_tokens=32)
+    outs = llm.generate(batch, params, use_tqdm=False)
+    preemptions = sum(o.metrics.num_preemptions for o in outs)
+    assert preemptions > 0
+    # once per request and once more per preemption after which it sampled again (here: each),
+    # not once per step (14 each)
+    assert len(batch) < len(made) <= len(batch) + preemptions
+    model, V = llm.engine.model, llm.engine.vocab_size
+    for prompt, out in zip(batch, outs):
+        expected = []
+        for _ in range(params.max_tokens):
+            logits = paged_forward(model, [prompt + expected])[0][-1:].float()
+            rows = SamplingBatch.build([params], [prompt], [list(expected)], V, "cpu")
+            expected.append(int(greedy_tokens(logits, rows)[0]))
+        assert out.token_ids == expected
+
+
 def test_seeded_sampling_reproducible_regardless_of_batch(tiny):
     path, _ = tiny
     llm = LLM(model=path, page_size=4, num_kv_pages=128)

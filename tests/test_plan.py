@@ -56,6 +56,8 @@ def test_deepseek_v3_on_16_h200s_fits_with_40gb_of_kv():
     assert plan.fixed_bytes + plan.kv_bytes <= plan.budget
     names = [c.name for c in plan.components]
     assert {"MTP state", "DeepEP low-latency buffer", "activations", "reserve"} <= set(names)
+    penalties = {c.name: c.bytes for c in plan.components}["penalty counts"]  # a bool and a float per token id
+    assert penalties == deepseek_config().scheduler.max_num_seqs * 5 * hf["vocab_size"]
 
 
 def test_deepseek_v3_on_8_h200s_says_whether_it_fits_and_why():

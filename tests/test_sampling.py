@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -169,6 +170,35 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     out = apply_penalties(logits, build(params, logits, prompts=[[4, 4]] * 2, outputs=outputs))
     assert torch.allclose(out[0], torch.tensor([0, -1.5, 0, -0.5, 0]))
     assert torch.allclose(out[1], torch.tensor([0, -0.7, 0, -0.7, 0]))
+
+
+def test_kept_token_counts_give_the_batch_its_lists_give():
+    """Rows whose penalties read TokenCounts kept across steps (caught up step by step, then
+    extended by a draft chain's tokens) build the same seen and count tensors as rows counting
+    their lists; rows with other penalties, or none, stay zero in each."""
+    from moespec.sampling import TokenCounts
+    V, rng = 12, random.Random(0)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.4),
+              SamplingParams(presence_penalty=0.2, repetition_penalty=0.9), SamplingParams()]
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(0, 6))] for _ in params]
+    outputs = [[] for _ in params]
+    kept = [TokenCounts(prompt, V, "cpu") for prompt in prompts]
+    for step in range(6):
+        for out in outputs:
+            out += [rng.randrange(V) for _ in range(rng.randint(0, 2))]
+        for k, out in zip(kept, outputs):
+            k.catch_up(out)
+        drafts = [[rng.randrange(V) for _ in range(step % 3)] for _ in params]
+        extended = [out + d for out, d in zip(outputs, drafts)]
+        expected = SamplingBatch.build(params, prompts, extended, V, "cpu")
+        got = SamplingBatch.build(params, prompts, extended, V, "cpu", counts=kept)
+        assert torch.equal(got.seen, expected.seen) and torch.equal(got.output_counts, expected.output_counts)
+        assert got.seen[[1, 3]].sum() == 0 and got.output_counts[[0, 3]].sum() == 0
+    assert [k.num_outputs for k in kept] == [len(out) for out in outputs]
+    with pytest.raises(ValueError, match="do not extend"):
+        kept[0].catch_up(outputs[0][:-1] if outputs[0] else [-1])
+    with pytest.raises(ValueError, match="fewer than its TokenCounts counted"):
+        SamplingBatch.build(params, prompts, [[]] * 4, V, "cpu", counts=kept)
 
 
 def test_logit_bias():

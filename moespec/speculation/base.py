@@ -144,16 +144,18 @@ class DraftRows:
 
     def build(self, drafts: list[torch.Tensor], repeat: int) -> SamplingBatch:
         values = torch.stack(drafts, 1).tolist() if drafts and self.needs_values else None
-        params, prompts, outputs = [], [], []
+        params, prompts, outputs, counts = [], [], [], []
         for b, seq in enumerate(self.seqs):
+            kept = seq.counts_for(self.vocab_size, self.device)
             for j in range(repeat):
                 n = len(drafts) if repeat == 1 else j
                 extra = values[b][:n] if values is not None else [0] * n  # lengths set min_tokens and positions
                 params.append(seq.params)
                 prompts.append(seq.prompt_ids)
                 outputs.append(seq.output_ids + extra)
+                counts.append(kept)
         return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
-                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator, counts=counts)
 
     def repeated(self, repeat: int) -> SamplingBatch:
         """Each request's rows for its next token, `repeat` times over (a tree's frontier)."""
@@ -161,7 +163,8 @@ class DraftRows:
             seqs = [s for s in self.seqs for _ in range(repeat)]
             self.repeats[repeat] = SamplingBatch.build(
                 [s.params for s in seqs], [s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
-                self.vocab_size, self.device, eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+                self.vocab_size, self.device, eos_token_ids=self.eos_ids, shared_generator=self.shared_generator,
+                counts=[s.counts_for(self.vocab_size, self.device) for s in seqs])
         return self.repeats[repeat]
 
     def expansion_logprobs(self, logits: torch.Tensor, repeat: int = 1) -> torch.Tensor:
@@ -197,15 +200,17 @@ class DraftRows:
             return replace(rows, positions=rows.positions + depths[rows.seeded_index])
         depths = tree.depths.tolist()
         paths = self.tree_paths(tree) if self.needs_values else None
-        params, prompts, outputs = [], [], []
+        params, prompts, outputs, counts = [], [], [], []
         for b, seq in enumerate(self.seqs):
+            kept = seq.counts_for(self.vocab_size, self.device)
             for i in range(1 + N):
                 extra = paths[b][i] if paths is not None else [0] * (depths[b][i - 1] if i else 0)
                 params.append(seq.params)
                 prompts.append(seq.prompt_ids)
                 outputs.append(seq.output_ids + extra)
+                counts.append(kept)
         return SamplingBatch.build(params, prompts, outputs, self.vocab_size, self.device,
-                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator)
+                                   eos_token_ids=self.eos_ids, shared_generator=self.shared_generator, counts=counts)
 
     @staticmethod
     def tree_paths(tree: DraftTree) -> list[list[list[int]]]:
