@@ -26,8 +26,6 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # a fast tokenizer's Rust decoder, called without transformers' per-call Python around it
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.window = self.prompt_context(prompt_ids)  # emitted (or prompt) tokens + pending ones
         self.read_offset = len(self.window)  # window[:read_offset] has been emitted (or is prompt)
         self.text = ""
@@ -67,8 +65,6 @@ class IncrementalDetokenizer:
 
     def decode(self, ids: list[int]) -> str:
         # No clean-up of tokenization spaces: it rewrites text around later tokens.
-        if self.backend is not None:
-            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
