@@ -184,10 +184,13 @@ def start_serve(tmp_path: Path, config: Path, port: int, env_extra: dict, rank_e
                             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log.name
 
 
-def wait_healthy(url: str, processes, timeout: float = 120) -> None:
+def wait_healthy(url: str, processes, timeout: float = 120, logs=()) -> None:
+    """`logs`: the processes' output files, whose tails a failure shows."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert all(p.poll() is None for p in processes), "a server process exited while starting"
+        if not all(p.poll() is None for p in processes):
+            tails = "\n".join(f"--- {log}:\n{Path(log).read_text()[-3000:]}" for log in logs)
+            raise AssertionError(f"a server process exited while starting\n{tails}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -224,7 +227,7 @@ def test_stuck_rank0_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_pat
             rank_env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(master_port)}
             processes.append(start_serve(tmp_path, config, port, {"MOESPEC_TEST_HANG": "1"}, rank_env))
-        wait_healthy(f"http://127.0.0.1:{port}", [p for p, _ in processes])
+        wait_healthy(f"http://127.0.0.1:{port}", [p for p, _ in processes], logs=[log for _, log in processes])
         send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
         codes = [wait_exit(p, timeout=40) for p, _ in processes]
     finally:
@@ -261,7 +264,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path, checkpoint, drain_timeout_s, m
     config = write_config(tmp_path, checkpoint, server={"drain_timeout_s": drain_timeout_s})
     process, log = start_serve(tmp_path, config, port, {"MOESPEC_TEST_STEP_DELAY": "0.05"})
     try:
-        wait_healthy(url, [process])
+        wait_healthy(url, [process], logs=[log])
         first_chunk, result = threading.Event(), {}
         body = {"prompt": "import os", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         streamer = threading.Thread(target=stream_until_done, args=(url, body, first_chunk, result))
@@ -333,7 +336,7 @@ def test_torchrun_dp_serving_spreads_streams_and_frees_pages_on_disconnect(tmp_p
                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                start_new_session=True)
     try:
-        wait_healthy(url, [process], timeout=180)
+        wait_healthy(url, [process], timeout=180, logs=[log.name])
         total = read_rank_metrics(url)
         pages = {rank: total[("moespec_rank_kv_pages_free", rank)] for rank in ("0", "1")}
         assert min(pages.values()) > 0
