@@ -289,7 +289,7 @@ def test_captured_steps_across_ranks_match_one_process(paths):
 def test_compiled_and_captured_steps_across_ranks_match_one_process(paths):
     """model.compile and model.cuda_graph together at EP=2: each rank captures its compiled steps
     (dynamo's eager backend, the EP layers as opaque ops) in the warm-up and replays them (checked
-    replays). Greedy output equals one eager process for MTP k = 1. About 40 s."""
+    replays). Greedy output equals one eager process for MTP k = 1. About 20 s."""
     results = check_runs(paths, 2, [{"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True, "compile": "eager"}])
     counts = [r.value[0][7] for r in results]
     assert all(c[4] > 0 for c in counts), counts  # every rank replayed captured steps
