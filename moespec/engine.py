@@ -205,7 +205,7 @@ class Engine:
         target_layers = [m for m in ep_layers(self.model) if not any(m is t for t in mtp_all)]
         mtp_layers = mtp_all if builtin_mtp else []
         self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, self.config.uses_fixed_exchange)
-        ranks.runtime.configure(self.config.parallel, self.config.model.cuda_graph)  # engines on one ranks may differ
+        ranks.runtime.configure(self.config.parallel, self.config.model.cuda_graph)  # engines built in turn on the same ranks may differ
         self.runner.sync = self.lockstep
         if self.runner.static is not None:
             self.runner.static.runtime = ranks.runtime

@@ -318,11 +318,6 @@ class TokenCounts:
         self.outputs = torch.zeros(vocab_size, device=device)  # [V] float32: how often each token was output
         self.num_outputs = 0  # the leading outputs counted in it
 
-    def serves(self, vocab_size: int, device: torch.device | str) -> bool:
-        """Whether these counts are over `vocab_size` tokens on `device`."""
-        device, mine = torch.device(device), self.outputs.device
-        return self.outputs.numel() == vocab_size and mine.type == device.type and device.index in (None, mine.index)
-
     @torch.inference_mode(False)
     def catch_up(self, output_ids: list[int]) -> TokenCounts:
         """Count the outputs appended since the last call (a request's outputs only grow)."""

@@ -113,7 +113,7 @@ class Sequence:
         penalized request's steps never overlap (engine.needs_host_token)."""
         if not self.params.penalized:
             return None
-        if self.token_counts is None or not self.token_counts.serves(vocab_size, device):
+        if self.token_counts is None:  # the engine and its speculator read them on one device, one vocabulary
             self.token_counts = TokenCounts(self.prompt_ids, vocab_size, device)
         return self.token_counts.catch_up(self.output_ids)
 

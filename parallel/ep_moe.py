@@ -81,7 +81,7 @@ class EPRuntime:
         if self.active:
             raise ParallelError("EPRuntime.step() is already active: one batch runs at a time")
         self.active, self.low_latency, self.capacity = True, low_latency, capacity
-        self.split = split_point(qo_bounds) if self.microbatch and qo_bounds is not None else None
+        self.split = self.split_of(qo_bounds)
         self.num_tokens = qo_bounds[-1] if qo_bounds is not None else None
         try:
             yield
@@ -140,12 +140,16 @@ class EPRuntime:
         """A captured step's microbatch split: `split_point` of its padded batch's bounds (host
         ints), the one its capture took (`step` over the padded batch), at every replay, whichever
         rows of the batch are real (a graph holds the split it was captured with)."""
-        saved = self.split
-        self.split = split_point(qo_bounds) if self.microbatch else None
+        saved, self.split = self.split, self.split_of(qo_bounds)
         try:
             yield
         finally:
             self.split = saved
+
+    def split_of(self, qo_bounds: Sequence[int] | None) -> int | None:
+        """Where the MoE layers split a forward over qo_bounds [B+1] (host ints): None when
+        microbatching is off or no bounds are given."""
+        return split_point(qo_bounds) if self.microbatch and qo_bounds is not None else None
 
     def call_capacity(self, num_tokens: int) -> int | None:
         """C of one fixed-capacity call over a batch (or half) of num_tokens, the same on every rank:
