@@ -260,7 +260,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moespec.cli import load_engine_config
+    from moespec.arguments import load_engine_config
     from moespec.llm import LLM
     from moespec.models import load_tokenizer
     from moespec.sampling import SamplingParams

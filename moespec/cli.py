@@ -6,7 +6,8 @@
   moespec plan     --config C [--gpu-memory 141GB] [--json]
   moespec train-tokenizer | train-model | train-mtp-head | eval-head ...
 
-Any config key can be overridden with `--set section.key=value` (repeatable).
+Any config key can be overridden with `--set section.key=value` (repeatable; nested keys too:
+`--set speculation.tree.top_k=4`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import importlib
 import json
 import logging
 import sys
+
+from moespec.arguments import add_config_arguments, load_engine_config
 
 # subcommands implemented elsewhere: name -> module exposing add_arguments(parser) and run(args)
 LAZY_COMMANDS = {
@@ -25,20 +28,6 @@ LAZY_COMMANDS = {
     "train-mtp-head": ("moespec.training.train_mtp_head", "train an MTP head for a frozen target"),
     "eval-head": ("moespec.training.evaluate", "evaluate a target and its MTP head through the inference code"),
 }
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set cache.page_size=32 (repeatable)")
-
-
-def load_engine_config(args: argparse.Namespace, extra: dict | None = None):
-    from moespec.config import load_config, parse_override
-
-    overrides = dict(parse_override(o) for o in args.overrides)
-    overrides.update(extra or {})
-    return load_config(args.config, overrides)
 
 
 def add_generate(sub) -> None:
@@ -111,14 +100,6 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=help_text)
     return parser
-
-
-def run_standalone(prog: str, doc: str | None, add_arguments, run, argv: list[str] | None = None) -> None:
-    """Entry point of a command module run as `python -m moespec.training.X`: parse, log, run."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    run(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ flat keyword options `LLM(...)` accepts (`page_size=32`, `speculation={...}`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -200,10 +201,63 @@ class EngineConfig:
                                   "losslessly, on the torch attention backend")
 
 
-def tree_shapes(spec: SpeculationSection) -> list:
-    """The draft trees (speculation.tree.TreeShape) a config asks for: none, its one, or auto's."""
-    from moespec.speculation.tree import TreeShape, auto_shapes
+@dataclass(frozen=True)
+class TreeShape:
+    top_k: int
+    depth: int
+    num_draft_tokens: int
 
+    def __post_init__(self) -> None:
+        for name in ("top_k", "depth", "num_draft_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculation.tree.{name} must be a positive integer, got {value!r}")
+        if self.num_draft_tokens > self.max_candidates:
+            raise ValueError(f"speculation.tree.num_draft_tokens {self.num_draft_tokens} exceeds the "
+                             f"{self.max_candidates} candidates a tree of top_k {self.top_k} and depth "
+                             f"{self.depth} expands")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'4x3x8' -> top_k 4, depth 3, 8 draft tokens."""
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", text.strip())
+        if match is None:
+            raise ValueError(f"a tree shape is TOPKxDEPTHxTOKENS (e.g. 4x3x8), got {text!r}")
+        return cls(*map(int, match.groups()))
+
+    @property
+    def label(self) -> str:
+        return f"{self.top_k}x{self.depth}x{self.num_draft_tokens}"
+
+    @property
+    def max_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @property
+    def draft_slots(self) -> int:
+        """KV slots the drafter writes: one per frontier node it forwards."""
+        return (self.depth - 1) * self.top_k
+
+    @property
+    def tokens_per_request(self) -> int:
+        """The most tokens per request one of a tree step's forwards carries (its verify, a
+        frontier level, the re-run over the accepted path)."""
+        return max(1 + self.num_draft_tokens, self.top_k, 1 + self.depth)
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a request needs past its last token (the verify tree's, the drafter's)."""
+        return max(self.num_draft_tokens, self.draft_slots) + 1
+
+
+def auto_shapes(num_tokens: int) -> list[TreeShape]:
+    """The trees `speculation.tree: auto` measures next to the chains: two widths at the chain's
+    depth, verifying as many tokens as two and four chains."""
+    return [TreeShape(2, num_tokens, 2 * num_tokens), TreeShape(4, num_tokens, 4 * num_tokens)]
+
+
+def tree_shapes(spec: SpeculationSection) -> list:
+    """The draft trees a config asks for: none, its one, or auto's."""
     if spec.tree is None or spec.mode == "none":
         return []
     if spec.tree == "auto":
@@ -314,8 +368,37 @@ def merge_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
         section, name = key.split(".", 1)
         if section not in SECTIONS:
             raise ConfigError(f"unknown section {section!r} in {key!r}; allowed: {', '.join(SECTIONS)}")
-        merged.setdefault(section, {})[name] = value
+        path = name.split(".")
+        if len(path) > 1:
+            check_mapping_field(section, path[0])
+        set_nested(merged.setdefault(section, {}), section, path, value)
     return merged
+
+
+def check_mapping_field(section: str, name: str) -> None:
+    """`section.name.key=value` needs `name` to be a mapping field (unknown names are left to
+    the section's own check, which lists the allowed keys)."""
+    hint = typing.get_type_hints(section_types()[section]).get(name)
+    if hint is None:
+        return
+    if hint is not dict and dict not in typing.get_args(hint):
+        raise ConfigError(f"{section}.{name} is not a mapping: set it as {section}.{name}=VALUE")
+
+
+def set_nested(values: dict, where: str, path: list[str], value: Any) -> None:
+    """Set one key of a (nested) mapping: ['tree', 'top_k'] in the speculation section sets tree's
+    top_k and keeps its other keys. A key that is not a mapping yet (unset, or 'auto') becomes one;
+    the section's own checks then name an unknown key."""
+    head, *rest = path
+    if not rest:
+        values[head] = value
+        return
+    inner = values.get(head)
+    if inner is not None and not isinstance(inner, (dict, str)):
+        raise ConfigError(f"{where}.{head} is {inner!r}, not a mapping: cannot set {where}.{'.'.join(path)}")
+    inner = dict(inner) if isinstance(inner, dict) else {}
+    set_nested(inner, f"{where}.{head}", rest, value)
+    values[head] = inner
 
 
 def build_config(raw: dict, overrides: dict[str, Any] | None = None, base_dir: Path | None = None) -> EngineConfig:

@@ -23,8 +23,6 @@ Shapes legend: G ranks in the EP group, F report fields.
 from __future__ import annotations
 
 import contextlib
-import logging
-import signal
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -33,8 +31,6 @@ import torch.distributed as dist
 
 from moespec.batch import Batch
 from moespec.config import EngineConfig, tree_shapes
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -226,41 +222,3 @@ def join_ranks(config: EngineConfig) -> Ranks | None:
                             "group (one rank per GPU of the group)")
     runtime = EPRuntime(ctx, backend=config.parallel.moe_backend, max_tokens_per_rank=dispatch_capacity(config))
     return Ranks(ctx, runtime, Channel.connect(ctx))
-
-
-def defer_signals_to_rank0(rank: int) -> None:
-    """A launcher (torchrun, slurm) signals every rank at once. Rank 0 drains its requests and then
-    ends the other ranks' loops; until then they keep serving their share, so they ignore it."""
-    def note(signum: int, frame) -> None:
-        logger.info("rank %d: signal %d; rank 0 drains, then stops this rank", rank, signum)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, note)
-
-
-def start_engine(config: EngineConfig, warm_up: bool = False):
-    """One process: its Engine. Under torchrun or slurm every rank builds its Engine; rank 0's is
-    returned (it takes requests and places them on the ranks), the others serve their share
-    until rank 0 closes its engine, then exit. `warm_up`: every rank compiles its static steps
-    first (model.compile; no collectives), so none stalls the others at a serving step. Captured
-    steps (model.cuda_graph) are captured at start-up always: across ranks only the warm-up, which
-    every rank runs alike, captures them, and in one process a capture while serving would race
-    the overlap helper thread's kernels."""
-    from moespec.engine import Engine
-
-    ranks = join_ranks(config)
-    try:
-        engine = Engine(config, ranks=ranks)
-        if warm_up or config.model.cuda_graph:
-            engine.warm_up()
-    except BaseException:
-        if ranks is not None:
-            ranks.close()
-        raise
-    if ranks is None or ranks.ctx.leader:
-        return engine
-    defer_signals_to_rank0(ranks.ctx.rank)
-    try:
-        engine.serve_forever()
-    finally:
-        engine.close()
-    raise SystemExit(0)

@@ -8,7 +8,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from moespec.config import EngineConfig, build_config, load_config
-from moespec.distributed import start_engine
+from moespec.startup import start_engine
 from moespec.outputs import CompletionOutput, RequestOutput
 from moespec.sampling import SamplingParams
 

@@ -329,7 +329,7 @@ def resolve_kv_pages(config: EngineConfig, device_bytes: int | None = None) -> E
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from moespec.cli import add_config_arguments
+    from moespec.arguments import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 141GB (default: the "
@@ -340,7 +340,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moespec.cli import load_engine_config
+    from moespec.arguments import load_engine_config
 
     config = load_engine_config(args)
     device_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None

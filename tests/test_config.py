@@ -26,7 +26,26 @@ def test_overrides_and_frozen():
         config.cache.page_size = 8
 
 
+def test_nested_overrides_set_one_key_and_keep_the_others():
+    raw = {"model": {"path": "m"},
+           "speculation": {"mode": "mtp", "num_speculative_tokens": 3,
+                           "tree": {"top_k": 4, "depth": 3, "num_draft_tokens": 8}}}
+    config = build_config(raw, {"speculation.tree.top_k": 2})
+    assert config.speculation.tree == {"top_k": 2, "depth": 3, "num_draft_tokens": 8}
+    assert raw["speculation"]["tree"]["top_k"] == 4  # the raw config is not changed in place
+    fresh = build_config({"model": {"path": "m"}, "speculation": {"mode": "mtp", "num_speculative_tokens": 3,
+                                                                  "tree": "auto"}},
+                         {"speculation.tree.top_k": 2, "speculation.tree.depth": 3,
+                          "speculation.tree.num_draft_tokens": 6})
+    assert fresh.speculation.tree == {"top_k": 2, "depth": 3, "num_draft_tokens": 6}
+
+
 @pytest.mark.parametrize("raw, overrides, message", [
+    ({"model": {"path": "m"}, "speculation": {"mode": "mtp", "num_speculative_tokens": 3}},
+     {"speculation.tree.top_k": 2, "speculation.tree.depth": 3, "speculation.tree.num_draft_tokens": 6,
+      "speculation.tree.widht": 2}, "unknown key speculation.tree.widht; allowed: top_k, depth"),
+    ({"model": {"path": "m"}}, {"cache.page_size.x": 1}, "cache.page_size is not a mapping"),
+    ({"model": {"path": "m"}}, {"speculation.nope.x": 1}, "unknown key speculation.nope"),
     ({"model": {"path": "m"}, "cache": {"pagesize": 8}}, {}, "unknown key cache.pagesize; allowed: page_size"),
     ({"model": {"path": "m"}, "kache": {}}, {}, "unknown section 'kache'"),
     ({"model": {"path": "m", "dtype": "fp64"}}, {}, "model.dtype: 'fp64' is not allowed; allowed: 'float32'"),

@@ -364,7 +364,7 @@ def idle_rank_main(rank: int, paths: dict, idle_s: float, overlap: bool):
     """Rank 0 sits idle (as a server between requests) for longer than the collective timeout,
     keeping the other ranks alive with empty steps, then serves."""
     import time
-    from moespec.distributed import start_engine
+    from moespec.startup import start_engine
     config = build_config({"model": {"path": paths["target"]}, "cache": {"page_size": 4, "num_kv_pages": 128},
                            "speculation": SPEC["mtp2"], "scheduler": {"overlap": overlap},
                            "parallel": {"ep_size": 2, "timeout_s": 2}})

@@ -45,7 +45,7 @@ class DrainingServer(uvicorn.Server):
 
 def serve(config: EngineConfig, host: str | None = None, port: int | None = None, api_key: str | None = None,
           log_level: str = "info") -> None:
-    from moespec.distributed import start_engine
+    from moespec.startup import start_engine
     from moespec.server.app import create_app
 
     # model.compile: every rank compiles every bucket's static steps before the first request;

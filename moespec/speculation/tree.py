@@ -30,7 +30,6 @@ Shapes legend: B requests, N draft nodes per request, K top_k, D depth, V vocab,
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -38,66 +37,12 @@ import torch
 
 from moespec.attention.base import LayerKV
 from moespec.batch import Batch, Span, pack_spans
+from moespec.config import TreeShape  # noqa: F401 (a config's shape; trees grow here)
 from moespec.sequence import Sequence
 
 FLOOR_LOGPROB = -1e4  # draft log-probabilities are clamped here: impossible tokens keep a finite, ordered score
 DEPTH_TIE_BREAK = 1e-6  # a child scores strictly below its parent even where the draft is certain
 CHAIN_BONUS = 1e6  # the chain of top-1 drafts ranks above every other node: a tree holds the chain of its depth
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    top_k: int
-    depth: int
-    num_draft_tokens: int
-
-    def __post_init__(self) -> None:
-        for name in ("top_k", "depth", "num_draft_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculation.tree.{name} must be a positive integer, got {value!r}")
-        if self.num_draft_tokens > self.max_candidates:
-            raise ValueError(f"speculation.tree.num_draft_tokens {self.num_draft_tokens} exceeds the "
-                             f"{self.max_candidates} candidates a tree of top_k {self.top_k} and depth "
-                             f"{self.depth} expands")
-
-    @classmethod
-    def parse(cls, text: str) -> "TreeShape":
-        """'4x3x8' -> top_k 4, depth 3, 8 draft tokens."""
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", text.strip())
-        if match is None:
-            raise ValueError(f"a tree shape is TOPKxDEPTHxTOKENS (e.g. 4x3x8), got {text!r}")
-        return cls(*map(int, match.groups()))
-
-    @property
-    def label(self) -> str:
-        return f"{self.top_k}x{self.depth}x{self.num_draft_tokens}"
-
-    @property
-    def max_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k ** 2
-
-    @property
-    def draft_slots(self) -> int:
-        """KV slots the drafter writes: one per frontier node it forwards."""
-        return (self.depth - 1) * self.top_k
-
-    @property
-    def tokens_per_request(self) -> int:
-        """The most tokens per request one of a tree step's forwards carries (its verify, a
-        frontier level, the re-run over the accepted path)."""
-        return max(1 + self.num_draft_tokens, self.top_k, 1 + self.depth)
-
-    @property
-    def lookahead(self) -> int:
-        """KV slots a request needs past its last token (the verify tree's, the drafter's)."""
-        return max(self.num_draft_tokens, self.draft_slots) + 1
-
-
-def auto_shapes(num_tokens: int) -> list[TreeShape]:
-    """The trees `speculation.tree: auto` measures next to the chains: two widths at the chain's
-    depth, verifying as many tokens as two and four chains."""
-    return [TreeShape(2, num_tokens, 2 * num_tokens), TreeShape(4, num_tokens, 4 * num_tokens)]
 
 
 @dataclass

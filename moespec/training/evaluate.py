@@ -222,7 +222,7 @@ def describe(result: EvalResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moespec.cli import run_standalone
+    from moespec.arguments import run_standalone
 
     run_standalone("moespec eval-head", __doc__, add_arguments, run, argv)
 

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moespec.cli import run_standalone
+    from moespec.arguments import run_standalone
 
     run_standalone("moespec train-tokenizer", __doc__, add_arguments, run, argv)
 

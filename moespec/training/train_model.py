@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moespec.cli import run_standalone
+    from moespec.arguments import run_standalone
 
     run_standalone("moespec train-model", __doc__, add_arguments, run, argv)
 

@@ -268,7 +268,7 @@ def write_head_log(args: argparse.Namespace, settings: HeadTrainSettings, histor
 
 
 def main(argv: list[str] | None = None) -> None:
-    from moespec.cli import run_standalone
+    from moespec.arguments import run_standalone
 
     run_standalone("moespec train-mtp-head", __doc__, add_arguments, run, argv)
 
