@@ -1,6 +1,10 @@
 """Memory per rank, from config.json alone: `moespec plan`, and how the engine sizes its KV cache.
 
   moespec plan --config configs/deepseek-v3.yaml --set parallel.ep_size=16 --gpu-memory 141GB [--json]
+  moespec plan --config configs/deepseek-v3.yaml --gpu H200 --batch-per-gpu 32 --context 4096 [--accept 0.85]
+
+With --gpu, a `throughput` section follows: the predicted decode step and speed of this
+deployment on that GPU at each draft length (moespec.throughput; docs/performance-model.md).
 
 The model of one rank is built on the meta device (shapes and dtypes, nothing allocated), so
 its weight bytes are those of the parameters that rank will really hold: its share of the
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from moespec import throughput
 from moespec.config import ConfigError, EngineConfig
 
 GiB = 2**30
@@ -334,26 +339,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--gpu-memory", default=None, help="memory of one device, e.g. 141GB (default: the "
                         "configured device's, the host's RAM for the CPU)")
-    parser.add_argument("--context-len", type=int, default=None,
-                        help="context length for the concurrency figure (default: max_model_len)")
+    parser.add_argument("--context-len", "--context", type=int, default=None,
+                        help="context length for the concurrency figure and the throughput (default: max_model_len)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--gpu", default=None, help="predict decode speed on this GPU (H100, H200, H800, B200; "
+                        "moespec.throughput); its memory is the default --gpu-memory")
+    parser.add_argument("--batch-per-gpu", type=float, default=None,
+                        help="requests per GPU for the throughput (default: scheduler.max_num_seqs)")
+    parser.add_argument("--accept", type=float, default=None, help="acceptance rate of each draft token "
+                        "(default 0.85: DeepSeek-V3's second-token acceptance)")
+    parser.add_argument("--imbalance", type=float, default=1.0,
+                        help="busiest GPU's routed rows over the mean (1: perfectly balanced experts)")
 
 
 def run(args: argparse.Namespace) -> int:
     from moespec.arguments import load_engine_config
 
     config = load_engine_config(args)
-    device_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    gpu = throughput.gpu_named(args.gpu) if args.gpu else None
+    device_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else int(gpu.memory_bytes) if gpu else None
     plan = plan_memory(config, device_bytes)
     context = args.context_len or plan.max_model_len
+    speed = plan_speed(config, plan, gpu, args, context) if gpu else None
     if args.json:
         report = plan.as_dict()
         report["kv_cache"]["requests_at_context_len"] = {"context_len": context,
                                                          "requests": plan.kv_tokens // context}
+        if speed is not None:
+            report["throughput"] = speed
         print(json.dumps(report, indent=2))
     else:
-        print(describe(plan, context))
+        print(describe(plan, context) + ("\n" + throughput.describe(speed) if speed else ""))
     return 0 if plan.fits else 3
+
+
+def plan_speed(config: EngineConfig, plan: MemoryPlan, gpu: throughput.GPU, args: argparse.Namespace,
+               context: int) -> dict:
+    """The throughput section: moespec.throughput's step model for this deployment on `gpu`."""
+    from moespec.models.weights import read_hf_config
+
+    batch = args.batch_per_gpu or config.scheduler.max_num_seqs
+    accept = throughput.DEFAULT_ACCEPT_RATE if args.accept is None else args.accept
+    try:
+        return throughput.plan_throughput(config, read_hf_config(config.model.path), gpu, batch, context, accept,
+                                          plan.details["quantization"], args.imbalance)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def describe(plan: MemoryPlan, context: int) -> str:
