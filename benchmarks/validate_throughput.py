@@ -28,7 +28,8 @@ SGLANG_DOC = "https://docs.sglang.ai/basic_usage/deepseek.html#multi-token-predi
 
 # TensorRT-LLM's min-latency recipe: attention TP8 in BF16, dense and MoE FFNs in NVFP4 (0.5 byte
 # + one FP8 scale per 16), MTP layers BF16; ISL 1k, OSL 2k (mean context 2k).
-TRT = Deployment(GPUS["B200"], tp_size=8, dp_attention=False, attention_weight_bytes=2.0, mlp_weight_bytes=0.5625)
+TRT = Deployment(GPUS["B200"], tp_size=8, dp_attention=False, attention_weight_bytes=2.0, mlp_weight_bytes=0.5625,
+                 mtp_weight_bytes=2.0)
 SGL_TP8 = Deployment(GPUS["H200"], tp_size=8, dp_attention=False)
 # DeepSeek's decode: EP144 over 18 H800 nodes, 256 + 32 redundant experts, DP attention, two
 # microbatches (a 5-stage pipeline), CUDA graphs.
@@ -73,7 +74,7 @@ def best_speedup(dep, requests, context, p=tp.DEFAULT_ACCEPT_RATE):
 DS_REQUESTS = 14_800 / 8 / 21
 CASES = [
     Case("calibration", "TensorRT-LLM 8xB200, batch 1, no MTP", TRTLLM,
-         "TP8, NVFP4 MoE, BF16 attention, ISL 1k / OSL 2k", 111, "tok/s/user",
+         "TP8, NVFP4 MLPs, BF16 attention and MTP layers, ISL 1k / OSL 2k", 111, "tok/s/user",
          lambda: per_user(TRT, 1, 2048, 0, 1.0)),
     Case("calibration", "DeepSeek profile-data decode (as derived by LMSYS)", LMSYS,
          "H800 EP128, 128 req/GPU, KV 4,096, MTP k=1 at 60% (LMSYS's assumption)", 18_598, "tok/s/node",
@@ -84,6 +85,10 @@ CASES = [
          lambda: mtp_speedup(TRT, 1, 2048, 2, 2.58)),
     Case("validation", "TensorRT-LLM MTP 3 speedup", TRTLLM, "accept 2.82 (253 vs 111)", 253 / 111, "x",
          lambda: mtp_speedup(TRT, 1, 2048, 3, 2.82)),
+    Case("validation", "TensorRT-LLM MTP 4 speedup", TRTLLM, "accept 2.99 (245 vs 111)", 245 / 111, "x",
+         lambda: mtp_speedup(TRT, 1, 2048, 4, 2.99)),
+    Case("validation", "TensorRT-LLM MTP 5 speedup", TRTLLM, "accept 3.01 (239 vs 111)", 239 / 111, "x",
+         lambda: mtp_speedup(TRT, 1, 2048, 5, 3.01)),
     Case("validation", "SGLang MTP speedup, batch 1", SGLANG_DOC,
          "8xH200 TP8 FP8; best k<=3 at 85% acceptance (SGLang tunes its draft per batch); no overlap scheduler with MTP", 1.8, "x",
          lambda: best_speedup(SGL_TP8, 1, 1024)),

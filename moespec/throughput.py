@@ -93,6 +93,7 @@ ELEMENTWISE_PASSES = 12  # reads+writes of a [T, M] bf16 tensor per layer by the
 # w_kc, attention, w_vc, o_proj, shared up/down, routed up/down).
 SMALL_KERNELS_PER_LAYER = 16
 GEMM_KERNELS_PER_LAYER = 10
+MOE_KERNELS_PER_LAYER = 10  # of those, the MoE's (router, top-k, quantization, shared and routed GEMMs, SiLU)
 # A fixed cost per kernel on the device (launch, ramp, tail, the gap to the next), added to its
 # roofline time. CALIBRATED on one figure: TensorRT-LLM's DeepSeek-R1 at batch 1 without MTP on
 # 8xB200 (111 tokens/s per user, 9.0 ms per step; tech blog 1). That figure is calibration, not
@@ -183,6 +184,7 @@ class Deployment:
     attention_weight_bytes: float = 1.0  # FP8 projections; 2.0 for BF16
     mlp_weight_bytes: float = 1.0  # FP8 experts and dense MLP; 0.5625 for NVFP4 with its scales
     kv_bytes: float = 2.0  # BF16 latent cache
+    mtp_weight_bytes: float | None = None  # the MTP layer's weights when they differ (TensorRT-LLM: BF16)
 
     def __post_init__(self):
         if self.overlap not in ("none", "microbatch", "two_batch"):
@@ -352,14 +354,21 @@ def ideal_overlap(overlap: str, compute: float, mlp: float, send: float, back: f
 def layer_cost(arch: Architecture, dep: Deployment, requests: float, queries: int, context: int,
                moe: bool) -> LayerCost:
     """One decoder layer under the deployment's overlap (see the module docstring). Split in two
-    halves, every kernel runs twice and both halves read the weights."""
-    split = dep.overlap != "none" and requests >= 2 and moe
-    part = requests / 2 if split else requests
-    times = 2 if split else 1
-    attention, mlp, kernels = (times * x for x in layer_compute(arch, dep, part, queries, context, moe))
-    send, back = (times * x for x in layer_exchange(arch, dep, part * queries, moe))
+    halves (the whole layer for two_batch, the MoE for microbatch), the split kernels run twice and
+    both halves read the weights."""
+    if dep.overlap == "none" or requests < 2 or not moe:
+        attention, mlp, kernels = layer_compute(arch, dep, requests, queries, context, moe)
+        send, back = layer_exchange(arch, dep, requests * queries, moe)
+        return LayerCost(attention, mlp, kernels, send + back, attention + mlp + kernels + send + back, 0.0)
+    half = layer_compute(arch, dep, requests / 2, queries, context, moe)
+    if dep.overlap == "two_batch":
+        attention, mlp, kernels = (2 * x for x in half)
+    else:
+        attention, _, kernels = layer_compute(arch, dep, requests, queries, context, moe)
+        mlp, kernels = 2 * half[1], kernels + MOE_KERNELS_PER_LAYER * KERNEL_OVERHEAD_S
+    send, back = (2 * x for x in layer_exchange(arch, dep, requests / 2 * queries, moe))
     compute = attention + mlp + kernels
-    hidden = OVERLAP_EFFICIENCY * ideal_overlap(dep.overlap, compute, mlp, send, back) if split else 0.0
+    hidden = OVERLAP_EFFICIENCY * ideal_overlap(dep.overlap, compute, mlp, send, back)
     return LayerCost(attention, mlp, kernels, send + back, compute + send + back - hidden, hidden)
 
 
@@ -391,6 +400,8 @@ def sampling(arch: Architecture, dep: Deployment, rows: float) -> float:
 def mtp_drafts(arch: Architecture, dep: Deployment, requests: float, context: int, k: int) -> float:
     """k chained passes of the MTP layer (eh_proj + one MoE decoder layer + lm_head + sampling),
     the first over the 1+k verified tokens of each request, the rest over one."""
+    if dep.mtp_weight_bytes is not None:
+        dep = replace(dep, attention_weight_bytes=dep.mtp_weight_bytes, mlp_weight_bytes=dep.mtp_weight_bytes)
     total = 0.0
     for i in range(k):
         queries = 1 + k if i == 0 else 1
