@@ -190,3 +190,29 @@ def test_plan_text_has_the_throughput_section_and_bad_gpu_is_named():
     assert "throughput (predicted" in out.stdout and "best k:" in out.stdout and "accept rate 0.9" in out.stdout
     bad = plan("--gpu", "A100")
     assert bad.returncode != 0 and "H100, H200, H800, B200" in bad.stderr
+
+
+def validation():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import validate_throughput
+
+    return validate_throughput
+
+
+def test_calibrated_constants_are_what_their_figures_give(monkeypatch):
+    # bisection on the two calibration figures lands on the module's rounded constants
+    v = validation()
+    monkeypatch.setattr(tp, "KERNEL_OVERHEAD_S", tp.KERNEL_OVERHEAD_S)
+    monkeypatch.setattr(tp, "OVERLAP_EFFICIENCY", tp.OVERLAP_EFFICIENCY)
+    solved = v.calibrate()
+    assert solved["KERNEL_OVERHEAD_S"] == pytest.approx(4.2e-6, rel=0.03)
+    assert solved["OVERLAP_EFFICIENCY"] == pytest.approx(0.83, rel=0.03)
+
+
+def test_validation_figures_stay_within_their_documented_errors():
+    # docs/performance-model.md: every validation row within +-30% but SGLang's batch-32 MTP
+    # speedup (+39%, the documented miss)
+    for case in validation().CASES:
+        error = case.predict() / case.published - 1
+        bound = 0.45 if "batch 32" in case.name else 0.30 if case.role == "validation" else 0.02
+        assert abs(error) < bound, (case.name, error)
