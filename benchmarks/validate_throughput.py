@@ -20,7 +20,8 @@ from moespec.throughput import GPUS, Architecture, Deployment, accept_length, sp
 ROOT = Path(__file__).resolve().parent.parent
 ARCH = Architecture.from_hf(json.loads((ROOT / "configs" / "deepseek-v3" / "config.json").read_text()))
 
-DAY6 = "https://github.com/deepseek-ai/open-infra-index/blob/main/202502OpenSourceWeek/day_6_one_more_thing_deepseekV3R1_inference_system_overview.md"
+DAY6 = ("https://github.com/deepseek-ai/open-infra-index/blob/main/202502OpenSourceWeek/"
+        "day_6_one_more_thing_deepseekV3R1_inference_system_overview.md")
 LMSYS = "https://lmsys.org/blog/2025-05-05-large-scale-ep/"
 TRTLLM = ("https://nvidia.github.io/TensorRT-LLM/blogs/tech_blog/"
           "blog1_Pushing_Latency_Boundaries_Optimizing_DeepSeek-R1_Performance_on_NVIDIA_B200_GPUs.html")
@@ -90,7 +91,8 @@ CASES = [
     Case("validation", "TensorRT-LLM MTP 5 speedup", TRTLLM, "accept 3.01 (239 vs 111)", 239 / 111, "x",
          lambda: mtp_speedup(TRT, 1, 2048, 5, 3.01)),
     Case("validation", "SGLang MTP speedup, batch 1", SGLANG_DOC,
-         "8xH200 TP8 FP8; best k<=3 at 85% acceptance (SGLang tunes its draft per batch); no overlap scheduler with MTP", 1.8, "x",
+         "8xH200 TP8 FP8; best k<=3 at 85% acceptance (SGLang tunes its draft per batch); "
+         "no overlap scheduler with MTP", 1.8, "x",
          lambda: best_speedup(SGL_TP8, 1, 1024)),
     Case("validation", "SGLang MTP speedup, batch 32", SGLANG_DOC, "as above, 32 requests", 1.5, "x",
          lambda: best_speedup(SGL_TP8, 32, 1024)),

@@ -12,8 +12,9 @@ One decode (verify) step of a DeepSeek-V3-class model on one GPU, term by term, 
                       measured for that EP size; tensor parallel: two all-reduces per layer
   overlap             none: compute + exchange; microbatch (the MoE split in halves): each half's
                       exchange behind the other half's experts; two-batch overlap (DeepSeek, SGLang):
-                      max(compute, exchange) per layer. Both halves read the weights: microbatching
-                      costs weight traffic, which is why it loses at small batches.
+                      min(compute, exchange) hidden per layer; either times OVERLAP_EFFICIENCY.
+                      Both halves read the weights: microbatching costs weight traffic, which is
+                      why it loses at small batches and with many experts per GPU.
   the rest            lm_head over the verified rows, sampling, the MTP layer run k times (one
                       decoder layer + eh_proj + lm_head), the host (kernel launches without CUDA
                       graphs, the scheduler when it does not overlap the device)
@@ -516,9 +517,6 @@ def deployment_from_config(config, gpu: GPU, quantization: str, imbalance: float
                       cuda_graphs=config.model.cuda_graph, host_overlap=config.scheduler.overlap,
                       imbalance=imbalance, attention_weight_bytes=fp8, mlp_weight_bytes=fp8)
 
-
-def with_gpu(dep: Deployment, gpu: GPU) -> Deployment:
-    return replace(dep, gpu=gpu)
 
 
 def gpu_named(name: str) -> GPU:
