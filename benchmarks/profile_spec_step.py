@@ -39,14 +39,14 @@ PHASES = [
     ("speculator", "catch_up", "  draft catch-up"),
     ("speculator", "step", "  draft step (draft model)"),
     ("speculator", "chain_step", "  chain step (MTP k > 1)"),
-    ("", "build_verify_batch", "  build verify batch"),
-    ("", "verify", "verify (acceptance + final token)"),
+    ("verifier", "build_verify_batch", "  build verify batch"),
+    ("verifier", "verify", "verify (acceptance + final token)"),
     ("speculator", "accept", "accept (MTP re-run over the verify batch)"),
     ("speculator", "propose_tree", "propose tree (draft catch-up + frontier levels)"),
-    ("", "build_tree_batch", "build tree verify batch"),
-    ("", "tree_draws", "tree: the target's draws at every node"),
-    ("", "accept_path", "tree: compact the path's KV + accept it as a chain"),
-    ("", "append_tokens", "append tokens + stop checks"),
+    ("verifier", "build_tree_batch", "build tree verify batch"),
+    ("verifier", "tree_draws", "tree: the target's draws at every node"),
+    ("verifier", "accept_path", "tree: compact the path's KV + accept it as a chain"),
+    ("requests", "append_tokens", "append tokens + stop checks"),
 ]
 
 

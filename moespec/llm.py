@@ -56,7 +56,7 @@ class LLM:
 
     def add(self, prompt: Prompt, params: SamplingParams) -> list:
         """n completions are n sequences; seeded ones get seeds seed, seed+1, ..."""
-        base = f"gen-{next(self.engine.ids)}"
+        base = f"gen-{next(self.engine.requests.ids)}"
         return [self.engine.add_request(prompt, child_params(params, i), f"{base}-{i}") for i in range(params.n)]
 
     @staticmethod

@@ -370,7 +370,7 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     after_plain = []
 
     def watch_propose(*args):
-        ran_plain = engine.ran_plain
+        ran_plain = engine.verifier.ran_plain
         proposal = propose(*args)
         if ran_plain:
             after_plain.append(proposal.steady)
