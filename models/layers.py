@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moespec.models.errors import WeightError
 from moespec.models.fp8 import BLOCK as FP8_BLOCK
 from moespec.models.fp8 import fp8_linear, is_fp8, scale_shape
 
@@ -238,8 +239,6 @@ class MergedLinear(Linear):
 
     def locate_part(self, param: torch.Tensor, name: str) -> torch.Tensor:
         """The rows of `param` that checkpoint tensor `name` (one part's weight, bias or scales) fills."""
-        from moespec.models.weights import WeightError  # weights imports this module
-
         part = name.rsplit(".", 2)[-2]
         if part not in self.parts:
             raise WeightError(f"tensor {name!r} is none of {list(self.parts)}")

@@ -19,16 +19,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from moespec.models.errors import WeightError
 from moespec.models.fp8 import FP8_DTYPES, dequantize_fp8_block, is_fp8
 from moespec.models.layers import merged_aliases
 
 SCALE_SUFFIX = "_scale_inv"
 HEADER_LIMIT = 100_000_000  # safetensors refuses larger headers
 SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
-
-
-class WeightError(ValueError):
-    """A checkpoint is damaged or does not match the model: names the file or tensor and the problem."""
 
 
 @dataclass(frozen=True)
