@@ -18,12 +18,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The OpenAI-compatible HTTP server on the default config (see README "HTTP server").
+# The OpenAI-compatible HTTP server on the default config (see docs/serving.md).
 serve: $(STAMP)
 	$(BIN)/moespec serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
