@@ -2,6 +2,9 @@
 (an MoE dispatch or combine) is in flight, and the other runs meanwhile. Within one MoE layer
 (`EPExperts.forward_eager`) or across a whole forward (two-batch overlap: the attention of one
 half runs while the other half's tokens are exchanged), the turns are the same mechanism.
+A turn ends right after a transfer is issued; DeepEP's low-latency exchange takes one transfer
+in flight, so the next issue first receives the one before (parallel/exchange.py): each
+transfer's window holds the other half's compute, as in DeepEP's figures/low-latency.png.
 """
 from __future__ import annotations
 

@@ -83,6 +83,9 @@ class ParallelSection:
     # Prefill and mixed steps always use the uneven exchange (DeepEP: normal mode).
     moe_exchange: Literal["auto", "fixed", "uneven"] = "auto"
     moe_backend: Literal["torch", "deepep"] = "torch"
+    # the fixed-capacity dispatch in FP8 (e4m3, one scale per 128 channels, as DeepSeek serves;
+    # DeepEP's use_fp8: half the bytes); the combine stays in the model dtype
+    fp8_dispatch: bool = False
     # MoE layers split each batch into two halves of whole requests: one half's tokens are
     # exchanged while the other's experts run
     microbatch: bool = False
@@ -91,6 +94,11 @@ class ParallelSection:
     two_batch_overlap: bool = False
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 120.0
+
+
+# EP sizes DeepEP's Buffer.get_dispatch_config/get_combine_config hold (deep_ep/buffer.py of v1.2.1;
+# HEAD's deep_ep/buffers/legacy.py adds 48 and 96); any other size asserts there
+DEEPEP_EP_SIZES = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,9 @@ class EngineConfig:
         check_positive(self.scheduler.max_num_seqs, "scheduler.max_num_seqs")
         check_positive(self.scheduler.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
         check_positive(self.parallel.ep_size, "parallel.ep_size")
+        if self.parallel.moe_backend == "deepep" and self.parallel.ep_size not in (1,) + DEEPEP_EP_SIZES:
+            raise ConfigError(f"parallel.ep_size {self.parallel.ep_size} has no DeepEP config (moe_backend: deepep); "
+                              f"allowed: {', '.join(map(str, DEEPEP_EP_SIZES))} (or 1: no exchange)")
         if self.speculation.mode != "none":
             check_positive(self.speculation.num_speculative_tokens, "speculation.num_speculative_tokens")
         if not self.speculation.adaptive_margin >= 0:

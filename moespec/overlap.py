@@ -109,13 +109,29 @@ class InFlight:
 
 
 class HostWorker:
-    """The helper thread that prepares the next step."""
+    """The helper thread that prepares the next step, on the CUDA device of the thread that
+    starts it: `torch.cuda.set_device` holds per thread, and a new thread's bare "cuda" is
+    cuda:0, where a non-zero local rank's batches do not belong."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moespec-prepare")
+        device = current_cuda_device()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moespec-prepare",
+                                       initializer=use_cuda_device, initargs=(device,))
 
     def submit(self, fn, *args) -> Future:
         return self.pool.submit(fn, *args)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def current_cuda_device() -> int | None:
+    """This thread's CUDA device; None where CUDA is not in use (asking would not initialize it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+def use_cuda_device(device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)

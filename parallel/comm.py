@@ -160,7 +160,9 @@ class CommStream:
     def __init__(self, collectives: Collectives) -> None:
         self.collectives = collectives
         self.ctx = collectives.ctx
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ep-comm-{self.ctx.rank}")
+        # on this rank's device: torch.cuda.set_device holds per thread (a new thread's is cuda:0)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ep-comm-{self.ctx.rank}",
+                                           initializer=use_device, initargs=(self.ctx.device,))
         # A finished transfer must get the GIL back promptly, not after the default 5 ms switch interval.
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
@@ -176,3 +178,8 @@ class CommStream:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def use_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -29,7 +29,8 @@ from moespec.models.layers import CAPTURING, OP_OBJECTS, REAL_ROWS
 from moespec.models.moe import LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
-from moespec.parallel.exchange import DeepEPExchange, GlooExchange
+from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange, Received,
+                                       aligned_capacity, dequantize_rows)
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -52,12 +53,14 @@ class EPRuntime:
 
     def __init__(self, ctx: ParallelContext, collectives: Collectives | None = None, backend: Backend = "torch",
                  microbatch: bool = False, max_tokens_per_rank: int = 256, dp: bool = False,
-                 two_batch: bool = False) -> None:
+                 two_batch: bool = False, fp8_dispatch: bool = False) -> None:
         self.ctx, self.backend, self.microbatch, self.dp = ctx, backend, microbatch, dp
         self.two_batch = two_batch  # the halves take turns across whole forwards (two_batch_split)
         self.two_batch_plans = 0  # forwards planned as two halves so far
         self.captured_halves = 0  # MoE forwards of captured steps run as two microbatches so far
-        self.max_tokens_per_rank = max_tokens_per_rank  # DeepEP low-latency buffers: D * (1 + k)
+        # DeepEP low-latency buffers: D * (1 + k), rounded up so that DeepEP's (ranks * C) % 4 == 0 holds
+        self.max_tokens_per_rank = aligned_capacity(max_tokens_per_rank, ctx.ep_size)
+        self.fp8_dispatch = fp8_dispatch  # low-latency dispatch in FP8 with per-128 scales (combine: model dtype)
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
         self.split: int | None = None
@@ -66,7 +69,7 @@ class EPRuntime:
         self.capacity: int | None = None  # its C under data-parallel attention, agreed for the step
         self.active = False
         self.captured = False  # model.cuda_graph: every fixed-capacity call at the buffer's capacity (`call_capacity`)
-        self.fixed = None  # the fixed-capacity exchange (parallel/exchange.py), built on first use
+        self.fixed: LowLatencyExchange | None = None  # the fixed-capacity exchange, built on first use
         self.buffer, self.buffer_mode = None, None  # DeepEP: one Buffer per process
         self.buffer_shape: tuple[int, int] | None = None  # (hidden, experts) it serves
 
@@ -97,6 +100,7 @@ class EPRuntime:
         self.dp = parallel.attention == "dp"
         self.microbatch = parallel.microbatch or parallel.two_batch_overlap
         self.two_batch = parallel.two_batch_overlap
+        self.fp8_dispatch = parallel.fp8_dispatch
 
     def two_batch_split(self, qo_bounds: Sequence[int]) -> int | None:
         """Two-batch overlap: the request at which a forward over qo_bounds [B+1] (host ints) splits
@@ -111,15 +115,24 @@ class EPRuntime:
         self.two_batch_plans += 1
         return list(qo_bounds).index(split)
 
-    def exchange(self, num_experts: int):
-        """The fixed-capacity exchange every layer shares (DeepEP's kernels, or fixed all-to-alls)."""
+    def exchange(self, num_experts: int) -> LowLatencyExchange:
+        """The fixed-capacity exchange every layer shares: DeepEP's low-latency kernels on the
+        process's one Buffer, or their emulation (fixed all-to-alls), one call in flight."""
         if self.fixed is None:
-            cls = DeepEPExchange if self.backend == "deepep" else GlooExchange
-            self.fixed = cls(self, num_experts, self.max_tokens_per_rank)
+            C = self.max_tokens_per_rank
+            if self.backend == "deepep":
+                self.fixed = LowLatencyExchange(self, lambda hidden: self.deepep_buffer(hidden, num_experts, True),
+                                                num_experts, C, per_call=False, index_dtype=deepep_index_dtype())
+            else:
+                emulated = EmulatedBuffer(self, num_experts)
+                self.fixed = LowLatencyExchange(self, lambda hidden: emulated, num_experts, C, per_call=True)
         return self.fixed
 
     def deepep_buffer(self, hidden: int, num_experts: int, low_latency: bool):
-        """The one DeepEP Buffer of this process; its low-latency area is cleaned after normal-mode use."""
+        """The one DeepEP Buffer of this process; its low-latency area is cleaned after normal-mode
+        use, and a low-latency call in flight is received before normal mode uses the buffer."""
+        if not low_latency and self.fixed is not None:
+            self.fixed.receive_in_flight()
         if self.buffer is None:
             self.buffer = build_deepep_buffer(self, hidden, num_experts)
             self.buffer_shape = (hidden, num_experts)
@@ -180,13 +193,18 @@ class EPRuntime:
         waiting (data-parallel attention)."""
         with self.step((0,), low_latency, capacity):
             for layer in experts:
-                hidden, top_k = layer.w2.shape[1], layer.top_k
-                layer.forward_with_shared(torch.zeros(0, hidden, dtype=dtype),
-                                          torch.zeros(0, top_k, dtype=torch.int64),
-                                          torch.zeros(0, top_k, dtype=dtype), None)
+                hidden, top_k, device = layer.w2.shape[1], layer.top_k, layer.w2.device  # on the weights' device:
+                layer.forward_with_shared(torch.zeros(0, hidden, dtype=dtype, device=device),  # collectives and
+                                          torch.zeros(0, top_k, dtype=torch.int64, device=device),  # kernels take
+                                          torch.zeros(0, top_k, dtype=dtype, device=device), None)  # device tensors
 
     def close(self) -> None:
+        """Stop the comm thread and release DeepEP's buffer (built with explicitly_destroy: its
+        destructor may hang Python's exception handling, says DeepEP's docstring)."""
         self.stream.close()
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
 
 
 def ep_experts_factory(runtime: EPRuntime) -> Callable:
@@ -305,13 +323,26 @@ class EPExperts(LocalExperts):
                shared: SharedExperts, first: bool = True) -> Stages:
         """Dispatch -> experts -> combine of one batch (or microbatch), as a generator that yields
         while each transfer is in flight (models/two_batch.py) -> routed (+ shared) output [T, M].
-        Comm thread: dispatch, then combine (+ all-gather); this thread meanwhile runs the shared
-        experts: in the first half's dispatch window (after the other half's dispatch is queued),
-        and in the last half's combine window."""
+        The shared experts run in the first half's dispatch window and in the last half's
+        combine window.
+
+        The fixed-capacity exchange has one call in flight (parallel/exchange.py): issuing a call
+        first receives the one in flight. Two halves A and B in turns therefore run a layer as
+        DeepEP's figures/low-latency.png draws it, each window holding the other half's compute:
+
+            A: issue dispatch A, shared experts A                     | yield
+            B: receive dispatch A, issue dispatch B                   | yield
+            A: experts A, receive dispatch B, issue combine A         | yield
+            B: experts B, receive combine A, issue combine B, shared experts B | yield
+            A: output A;  B: receive combine B, output B
+
+        Across a forward (two-batch overlap) B's attention also runs in dispatch A's window and
+        A's next attention in combine B's."""
         T = x.shape[0]
+        check_device(self.w2.device, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         sent = self.send(x, topk_ids, topk_weights)
-        yield
         shared_out = shared(x) if shared is not None and first else None
+        yield
         back = self.send_back(sent.wait(), topk_ids, topk_weights, T)
         if shared is not None and not first:
             shared_out = shared(x)
@@ -339,7 +370,7 @@ class EPExperts(LocalExperts):
             combine = self.runtime.stream.submit("combine", self.combine, self.compute(received), received)
         else:
             rows = self.shard_of(slice(0, num_tokens))
-            y = self.forward_masked(received.x, received.counts)  # [L, G*C, M]
+            y = self.forward_masked(masked_rows(received), received.counts)  # [L, G*C, M]
             combine = self.runtime.exchange(self.num_experts).combine(y, topk_ids[rows], topk_weights[rows], received)
         return self.gathered(combine, num_tokens)
 
@@ -348,8 +379,8 @@ class EPExperts(LocalExperts):
         thread behind the combine so it overlaps compute too."""
         if self.runtime.dp:
             return combine
-        if self.runtime.backend == "deepep":  # DeepEP's receive hook belongs on the compute thread
-            return Ready(self.runtime.gather(combine.wait(), num_tokens))
+        if isinstance(combine, Call):  # a low-latency receive hook runs on this thread, in its turn
+            return Gathered(combine, self.runtime, num_tokens)
         return self.runtime.stream.submit("gather", lambda: self.runtime.gather(combine.wait(), num_tokens))
 
     def shard_of(self, half: slice) -> slice:
@@ -402,6 +433,33 @@ class EPExperts(LocalExperts):
         back = self.runtime.collectives.all_to_all(y, received.recv_counts, received.send_counts)  # [N, M]
         lo, hi = self.runtime.rows_of(received.num_tokens)
         return y.new_zeros(hi - lo, y.shape[1]).index_add_(0, received.token_index, back)  # [Ts, M]
+
+
+class Gathered:
+    """A low-latency combine, then (replicated attention) the all-gather of every rank's rows:
+    `wait()` receives the combine here, then runs the all-gather on the comm thread in its turn."""
+
+    def __init__(self, combine: Call, runtime: EPRuntime, num_tokens: int) -> None:
+        self.combine, self.runtime, self.num_tokens = combine, runtime, num_tokens
+
+    def wait(self) -> torch.Tensor:
+        return self.runtime.stream.run("gather", self.runtime.gather, self.combine.wait(), self.num_tokens)
+
+
+def masked_rows(received: Received) -> torch.Tensor:
+    """The received rows as `forward_masked` takes them [L, G*C, M]: an FP8 dispatch's (e4m3
+    rows, per-128 scales) dequantized to the dispatched dtype (the CPU reference; a GPU's FP8
+    grouped GEMM takes the pair itself)."""
+    if isinstance(received.x, tuple):
+        return dequantize_rows(*received.x, received.dtype)
+    return received.x
+
+
+def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Every tensor the EP path hands to a collective or kernel is on the weights' device."""
+    for name, tensor in tensors.items():
+        if tensor.device != device:
+            raise ParallelError(f"EP layer input {name} is on {tensor.device}, its experts' weights on {device}")
 
 
 def mask_padding(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -471,7 +529,8 @@ class DeepEPExperts(EPExperts):
     def run_normal(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted)
         -> combine. The host waits for the receive counts here: prefill is not captured."""
-        buf, ids = self.runtime.deepep_buffer(x.shape[1], self.num_experts, low_latency=False), topk_ids.long()
+        buf = self.runtime.deepep_buffer(x.shape[1], self.num_experts, low_latency=False)
+        ids = topk_ids.to(deepep_index_dtype())
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
@@ -486,13 +545,16 @@ def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
     both modes: low-latency RDMA bytes for `max_tokens_per_rank` tokens, normal-mode NVLink/RDMA
     bytes by DeepEP's hints, one queue pair per local expert (at least DeepEP's default 24 for
     normal mode), and NVSHMEM's queue depth raised to what that many tokens need. A second
-    low-latency Buffer in one process trips DeepEP's `cpu_rdma_team` assertion."""
-    try:
-        from deep_ep import Buffer  # optional: built from source, see docs/expert-parallel.md
-    except ImportError as error:
-        raise ParallelError("parallel.moe_backend 'deepep' needs DeepEP built from source "
-                            "(github deepseek-ai/DeepEP; the PyPI deep-ep package cannot compile); "
-                            "use moe_backend 'torch' otherwise") from error
+    low-latency Buffer in one process trips DeepEP's `cpu_rdma_team` assertion.
+
+    NVLink stays allowed for low-latency traffic between GPUs of a node (DeepEP's default). Its
+    docstring calls that "somehow incompatible with the hook-based overlapping": over NVLink the
+    send kernel copies the rows itself ("NVLink uses memory semantics, kernels won't exit only if
+    the transmission is finished", DeepEP PR #173), so those bytes move before the send returns
+    instead of behind the other microbatch's compute. The order stays correct (the hook still
+    receives); only the intra-node share of the transfer is not hidden, and without NVLink a
+    node's ranks would need RDMA loopback through their NICs."""
+    Buffer = import_deepep().Buffer
     group, size, budget = runtime.ctx.ep_group, runtime.ctx.ep_size, runtime.max_tokens_per_rank
     depth = 2 * (budget + 1)  # DeepEP asserts nvshmem_qp_depth >= (tokens + 1) * 2 (default depth 1024)
     if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < depth:
@@ -503,4 +565,21 @@ def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
     if size > 8:
         rdma = max([rdma] + [c.get_rdma_buffer_size_hint(hidden * 2, size) for c in configs])
     return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma, low_latency_mode=True,
-                  num_qps_per_rank=max(num_experts // size, 24))
+                  num_qps_per_rank=max(num_experts // size, 24), allow_nvlink_for_low_latency_mode=True,
+                  explicitly_destroy=True)
+
+
+def import_deepep():
+    try:
+        import deep_ep  # optional: built from source, see docs/expert-parallel.md
+    except ImportError as error:
+        raise ParallelError("parallel.moe_backend 'deepep' needs DeepEP built from source "
+                            "(github deepseek-ai/DeepEP; the PyPI deep-ep package cannot compile); "
+                            "use moe_backend 'torch' otherwise") from error
+    return deep_ep
+
+
+def deepep_index_dtype() -> torch.dtype:
+    """DeepEP's top-k id dtype: `deep_ep.topk_idx_t` where exported (int64 unless DeepEP was built
+    with EP_NUM_TOPK_IDX_BITS), int64 in v1.2.1, which has no such name."""
+    return getattr(import_deepep(), "topk_idx_t", TOPK_IDX_DTYPE)

@@ -2,8 +2,8 @@
 needing FlashInfer or DeepEP skipped without them.
 
 - FlashInfer attention equals the torch backend for prefill, decode, verify and MLA.
-- The fixed-capacity exchange on one GPU (over NCCL) equals the same exchange on CPU, and
-  DeepEP's low-latency kernels (when installed) equal both.
+- The fixed-capacity exchange on one GPU equals the same exchange on CPU, and DeepEP's
+  low-latency kernels (when installed; two ranks, on one GPU or two) equal its emulation.
 - Greedy output of every speculation mode on CUDA equals no speculation, and compiled, captured
   (CUDA graphs) and overlapped steps equal the plain engine.
 """
@@ -69,18 +69,19 @@ def test_flashinfer_equals_torch_attention_mla(mode, q_len):
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
 
 
-def exchange_on(device: str, backend: str = "torch", ctx=None) -> torch.Tensor:
+def exchange_on(device: str, backend: str = "torch", ctx=None, microbatch: bool = False) -> torch.Tensor:
     """A DeepSeek-shaped MoE layer (hidden 7168 is DeepEP's; 32 experts top-8) through the fixed-capacity
-    exchange at EP=1 on `device`."""
+    exchange on `device` (EP=1 unless `ctx` says otherwise): each rank's 48 tokens, whole or as two
+    microbatches in turns (each low-latency call received before the next is issued)."""
     from moespec.config import ParallelSection
     from moespec.parallel import EPExperts, EPRuntime
     from moespec.parallel.groups import single_process_context
     ctx = ctx or single_process_context(ParallelSection())
-    runtime = EPRuntime(ctx, backend=backend, max_tokens_per_rank=64)
+    runtime = EPRuntime(ctx, backend=backend, max_tokens_per_rank=64, microbatch=microbatch, dp=True)
     try:
         torch.manual_seed(0)
         experts = EPExperts(32, 7168, 256, runtime, 8).to(device=device, dtype=torch.bfloat16)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(1 + ctx.ep_rank)
         x = torch.randn(48, 7168, generator=gen).to(device=device, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(32, generator=gen)[:8] for _ in range(48)]).to(device)
         weights = torch.rand(48, 8, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -95,16 +96,46 @@ def test_fixed_capacity_exchange_on_gpu_equals_cpu():
     assert torch.allclose(gpu, cpu, atol=5e-2, rtol=5e-2), (gpu - cpu).abs().max()
 
 
-@needs_deepep
-def test_deepep_low_latency_equals_the_fixed_exchange():
-    """DeepEP needs a process group even for one rank."""
+def deepep_rank(rank: int) -> dict:
+    """One of two EP ranks: GPU rank % device_count (one GPU holds both ranks where there is only
+    one), a gloo group (NCCL refuses two ranks on one GPU; DeepEP's Buffer uses its group for
+    host objects only). DeepEP's low-latency kernels, whole and microbatched, against the emulated
+    exchange over the same group on CPU."""
+    import datetime
+
     import torch.distributed as dist
 
-    from moespec.parallel import ParallelContext
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29611", rank=0, world_size=1)
-    ctx = ParallelContext(0, 1, 0, dist.group.WORLD, 0, 1, True, torch.device("cuda"))
-    assert torch.allclose(exchange_on("cuda", "deepep", ctx), exchange_on("cuda"), atol=5e-2, rtol=5e-2)
+    from moespec.parallel import ParallelContext, destroy
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    cpu = ParallelContext(rank, 2, rank, dist.group.WORLD, rank, 2, rank == 0, torch.device("cpu"), 120.0)
+    gpu = ParallelContext(rank, 2, rank, dist.group.WORLD, rank, 2, rank == 0, device, 120.0)
+    try:
+        want = exchange_on("cpu", ctx=cpu)
+        return {"whole": (exchange_on(device, "deepep", gpu) - want).abs().max().item(),
+                "halves": (exchange_on(device, "deepep", gpu, microbatch=True) - want).abs().max().item()}
+    finally:
+        destroy(cpu)
+
+
+@needs_deepep
+def test_deepep_low_latency_equals_the_emulation_at_ep2():
+    """DeepEP needs EP >= 2 (its config table starts at 2): two processes, on one GPU or two."""
+    from moespec.parallel.local_launch import run_ranks
+    for outcome in run_ranks(deepep_rank, 2, timeout_s=150):
+        assert outcome.error is None, outcome.error
+        assert max(outcome.value.values()) < 5e-2, outcome.value
+
+
+@needs_deepep
+def test_deepeps_config_table_holds_every_allowed_ep_size():
+    """parallel.ep_size is checked against DEEPEP_EP_SIZES: the installed DeepEP has a config for each."""
+    from deep_ep import Buffer
+
+    from moespec.config import DEEPEP_EP_SIZES
+    for size in DEEPEP_EP_SIZES:
+        assert Buffer.get_dispatch_config(size) is not None and Buffer.get_combine_config(size) is not None
 
 
 CASES = [("checkpoints/tiny-deepseek-v3", {"mode": "mtp", "num_speculative_tokens": 1}),

@@ -17,7 +17,7 @@ from moespec.attention import AttentionMetadata, TorchPagedAttention, plan_forwa
 from moespec.config import ParallelSection, load_config
 from moespec.kv_cache import KVCache, PageAllocator
 from moespec.models import load_model
-from moespec.parallel import (EPRuntime, LinkModel, ParallelContext, ParallelError, ThrottledCollectives, destroy,
+from moespec.parallel import (Collectives, EPRuntime, LinkModel, ParallelContext, ParallelError, ThrottledCollectives, destroy,
                               ep_experts_factory, init_parallel, parse_nodelist, read_launch_env, split_point)
 from moespec.parallel.ep_moe import DeepEPExperts, EPExperts
 from moespec.parallel.local_launch import run_ranks
@@ -308,14 +308,12 @@ def test_a_captured_steps_padded_rows_take_no_room_in_the_exchange():
         gen = torch.Generator().manual_seed(1)
         x, weights = torch.randn(6, 16, generator=gen), torch.rand(6, 2, generator=gen)
         ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(6)])
-        exchange, dispatched = runtime.exchange(8), []
-        dispatch_now = exchange.dispatch_now
-        exchange.dispatch_now = lambda *args: dispatched.append(dispatch_now(*args)) or dispatched[-1]
+        dispatched = record_dispatches(runtime.exchange(8))
         with runtime.step([0, 4], low_latency=True):
             alone = experts(x[:4], ids[:4], weights[:4])
         with runtime.step([0, 6], low_latency=True):
             got = run_captured(experts, (x, ids, weights), torch.tensor(4))
-        assert [int(d.counts.sum()) for d in dispatched] == [8, 8]  # 4 real rows x top-2, both times
+        assert [int(counts.sum()) for counts in dispatched] == [8, 8]  # 4 real rows x top-2, both times
         torch.testing.assert_close(got[:4], alone)
         assert not got[4:].any()
     finally:
@@ -338,3 +336,196 @@ def test_interleave_takes_turns_and_returns_each_result():
     assert interleave([run("a", 2), run("b", 3)]) == ["aa", "bb"]
     assert log == ["a0", "b0", "a1", "b1", "a-end", "b2", "b-end"]
     assert drive(run("c", 2)) == "cc"
+
+
+def record_dispatches(exchange) -> list[torch.Tensor]:
+    """The received counts [L] of every dispatch through `exchange` (valid once each is received)."""
+    counts, dispatch = [], exchange.dispatch
+
+    def recorded(*args, **kwargs):
+        call = dispatch(*args, **kwargs)
+        counts.append(call.value.counts)
+        return call
+    exchange.dispatch = recorded
+    return counts
+
+
+# ------------------------------------------------------- DeepEP's low-latency contracts, emulated
+
+def local_runtime(**options) -> EPRuntime:
+    from moespec.parallel.groups import single_process_context
+    return EPRuntime(single_process_context(ParallelSection()), **options)
+
+
+def routed_batch(T: int, hidden: int = 16, experts: int = 8, seed: int = 1):
+    """x [T, M], top-2 expert ids [T, 2], gate weights [T, 2]."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(T)])
+    return torch.randn(T, hidden, generator=gen), ids, torch.rand(T, 2, generator=gen)
+
+
+def test_emulated_buffer_refuses_a_receive_after_the_next_call():
+    """DeepEP's low-latency Buffer flips between two buffers, and a call's send zeroes the other
+    buffer's receive counters: a receive must finish before the next call is issued. The old
+    microbatch order (A-dispatch sent, B-dispatch sent, A received) is refused, naming both calls;
+    receive-then-issue passes, and so do DeepEP's other asserts."""
+    from moespec.parallel.exchange import EmulatedBuffer
+    runtime = local_runtime(max_tokens_per_rank=8)
+    try:
+        buffer = EmulatedBuffer(runtime, 8)
+        x, ids, _ = routed_batch(3)
+        _, _, _, _, hook_a = buffer.low_latency_dispatch(x, ids, 8, 8, return_recv_hook=True)
+        _, _, _, _, hook_b = buffer.low_latency_dispatch(x, ids, 8, 8, return_recv_hook=True)
+        with pytest.raises(ParallelError, match=r"dispatch #0 received after dispatch #1 was issued.*buffer 0"):
+            hook_a()
+        hook_b()
+        recv, counts, handle, _, hook = buffer.low_latency_dispatch(x, ids, 8, 8, return_recv_hook=True)
+        hook()
+        with pytest.raises(ParallelError, match="ran twice"):
+            hook()
+        out, _, hook = buffer.low_latency_combine(recv, ids, torch.ones(3, 2), handle, return_recv_hook=True)
+        hook()
+        torch.testing.assert_close(out, 2 * x)  # each token back from its two experts, unweighted rows summed
+        assert counts.tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
+        for args, match in [((x, ids.int(), 8, 8), "topk_idx is torch.int32"), ((x, ids, 2, 8), "exceed its capacity"),
+                            ((x, ids, 3, 8), "not a multiple of 4"), ((x.to("meta"), ids, 8, 8), "different devices")]:
+            with pytest.raises(ParallelError, match=match):
+                buffer.low_latency_dispatch(*args, return_recv_hook=True)
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_microbatches_keep_one_low_latency_call_in_flight(captured, monkeypatch):
+    """Two microbatches in turns through the fixed-capacity exchange, eager and as a captured
+    step runs (transfers inline, padded rows): equal to the experts run locally, each call received
+    before the next is issued. With the receive-before-issue taken out (the order before), the
+    emulated double buffer refuses A's dispatch receive after B's dispatch was issued."""
+    from moespec.models.moe import LocalExperts
+    from moespec.parallel.exchange import LowLatencyExchange
+    from moespec.static_step import run_captured
+    runtime = local_runtime(microbatch=True, max_tokens_per_rank=8)
+    try:
+        torch.manual_seed(0)
+        experts = EPExperts(8, 16, 8, runtime, 2)
+        x, ids, weights = routed_batch(6)
+        want = LocalExperts.forward(experts, x, ids, weights)
+
+        def run():
+            with runtime.step([0, 2, 3, 6], low_latency=True):
+                if captured:
+                    return run_captured(experts, (x, ids, weights), torch.tensor(6))
+                return experts(x, ids, weights)
+        torch.testing.assert_close(run(), want)
+        assert runtime.captured_halves == int(captured)
+        monkeypatch.setattr(LowLatencyExchange, "receive_in_flight", lambda self: None)
+        with pytest.raises(ParallelError, match=r"dispatch #\d+ received after dispatch #\d+ was issued"):
+            run()
+    finally:
+        runtime.close()
+
+
+def test_an_idle_rank_joins_on_the_weights_device():
+    """A rank with no tokens (data-parallel attention) joins the others' MoE layers with zero-row
+    inputs on its experts' device (NCCL and DeepEP take device tensors; DeepEP allocates its
+    receive buffers like its input): here `meta`. An input on another device is refused by name."""
+    runtime = local_runtime(max_tokens_per_rank=8, dp=True)
+    try:
+        with torch.device("meta"):
+            experts = EPExperts(8, 16, 8, runtime, 2)
+        runtime.join([experts], torch.float32, low_latency=True, capacity=4)
+        x, ids, weights = routed_batch(2)
+        with runtime.step([0, 2], low_latency=True), pytest.raises(ParallelError, match="input x is on cpu.*meta"):
+            experts(x, ids.to("meta"), weights.to("meta"))
+    finally:
+        runtime.close()
+
+
+def test_deepep_backend_needs_an_ep_size_in_deepeps_table():
+    """Buffer.get_dispatch_config asserts for an EP size its table lacks (1 has no exchange)."""
+    from moespec.config import ConfigError, EngineConfig
+    for size in (1, 2, 16, 160):
+        assert EngineConfig(parallel=ParallelSection(ep_size=size, moe_backend="deepep")).parallel.ep_size == size
+    for size in (3, 6, 12, 256):
+        with pytest.raises(ConfigError, match=rf"parallel.ep_size {size} .*allowed: 2, 4, 8, 16, 24, 32, 64, 128"):
+            EngineConfig(parallel=ParallelSection(ep_size=size, moe_backend="deepep"))
+    EngineConfig(parallel=ParallelSection(ep_size=6))  # the torch backend takes any size
+
+
+def test_capacity_is_aligned_for_deepep():
+    """DeepEP asserts (num_ranks * C) % 4 == 0: the runtime rounds C up."""
+    from moespec.parallel.exchange import aligned_capacity
+    assert [aligned_capacity(c, 2) for c in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 6]
+    assert [aligned_capacity(c, 1) for c in (1, 4, 5)] == [4, 4, 8]
+    assert [aligned_capacity(c, g) for c, g in ((3, 4), (3, 16), (7, 6))] == [3, 3, 8]
+    assert local_runtime(max_tokens_per_rank=5).max_tokens_per_rank == 8
+
+
+def test_fp8_dispatch_casts_rows_as_deepep():
+    """Per 128 channels of a row: scale = max(|x|, 1e-4) / 448 and e4m3 values; dequantized,
+    each value is within e4m3's rounding (3 mantissa bits: 1/16 relative, or the subnormal step)."""
+    from moespec.parallel.exchange import dequantize_rows, quantize_per_block
+    x = torch.randn(5, 512) * torch.logspace(-3, 3, 5)[:, None]
+    x[0, :128] = 0  # an all-zero block takes the margin
+    values, scales = quantize_per_block(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (5, 4)
+    amax = x.abs().view(5, 4, 128).amax(-1)
+    torch.testing.assert_close(scales, amax.clamp(min=1e-4) / 448)
+    back = dequantize_rows(values, scales, torch.float32)
+    step = scales.repeat_interleave(128, 1) * 2.0 ** -9  # e4m3's smallest subnormal, scaled
+    assert ((back - x).abs() <= x.abs() / 16 + step).all()
+    assert (values.float().abs().view(5, 4, 128).amax(-1)[1:] == 448).all()  # each block's largest maps to 448
+
+
+def test_fp8_dispatch_feeds_the_experts_fp8_rows_and_scales():
+    """parallel.fp8_dispatch: the received rows are (e4m3 [L, G*C, M], float32 scales [L, G*C, M/128]
+    in DeepEP's column-major layout), about half a bf16 dispatch's bytes; the layer's output is the
+    experts over the dequantized rows. A hidden size DeepEP cannot cast (% 512) is refused."""
+    from moespec.models.moe import LocalExperts
+    from moespec.parallel.exchange import dequantize_rows, quantize_per_block
+    runtime = local_runtime(max_tokens_per_rank=8, fp8_dispatch=True)
+    try:
+        torch.manual_seed(0)
+        experts = EPExperts(8, 512, 32, runtime, 2)
+        x, ids, weights = routed_batch(5, hidden=512)
+        sent, all_to_all = [], runtime.collectives.all_to_all_fixed
+        runtime.collectives.all_to_all_fixed = lambda send, *rest: sent.append(send.shape) or all_to_all(send, *rest)
+        received, dispatch = [], runtime.exchange(8).dispatch
+        runtime.fixed.dispatch = lambda *args: received.append(dispatch(*args)) or received[-1]
+        with runtime.step([0, 5], low_latency=True):
+            got = experts(x, ids, weights)
+        values, scales = received[0].value.x
+        assert values.dtype == torch.float8_e4m3fn and values.shape == (8, 8, 512)
+        assert scales.shape == (8, 8, 4) and scales.stride() == (32, 1, 8)  # [L, M/128, G*C] transposed
+        assert sent[0][1] == 8 * (512 + 4 * 4) + 8  # C rows of e4m3 + scales, + the count: bf16 would be 8 * 1024
+        want = LocalExperts.forward(experts, dequantize_rows(*quantize_per_block(x), torch.float32), ids, weights)
+        torch.testing.assert_close(got, want)
+        assert (got - LocalExperts.forward(experts, x, ids, weights)).abs().max() < 0.1 * want.abs().max()
+        runtime.fixed.dispatch = dispatch
+        small = EPExperts(8, 256, 32, runtime, 2)
+        with runtime.step([0, 5], low_latency=True), pytest.raises(ParallelError, match="parallel.fp8_dispatch"):
+            small(*routed_batch(5, hidden=256))
+    finally:
+        runtime.close()
+
+
+def test_helper_threads_run_on_this_ranks_cuda_device(monkeypatch):
+    """torch.cuda.set_device holds per thread: the overlap scheduler's prepare thread and the EP
+    comm thread set this rank's device before they build a tensor (a new thread is on cuda:0)."""
+    import threading
+
+    from moespec.overlap import HostWorker
+    from moespec.parallel.comm import CommStream
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((str(d), threading.current_thread().name)))
+    worker = HostWorker()
+    worker.submit(lambda: None).result()
+    worker.close()
+    ctx = ParallelContext(1, 2, 1, None, 1, 2, False, torch.device("cuda", 1))
+    stream = CommStream(Collectives(ctx))
+    stream.run("job", lambda: None)
+    stream.close()
+    assert [(d, name.split("_")[0]) for d, name in calls] == [("3", "moespec-prepare"), ("cuda:1", "ep-comm-1")]

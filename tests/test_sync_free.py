@@ -104,3 +104,19 @@ def test_a_host_read_in_the_moe_layer_is_caught(runtime, monkeypatch):
     monkeypatch.setattr(EPExperts, "forward_masked", with_host_read)
     with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
         run_forwards(deepseek_on_meta(runtime), runtime, "decode", 1)
+
+
+def test_two_batch_overlap_in_the_old_order_is_refused(monkeypatch):
+    """Two-batch overlap runs above under the emulated DeepEP double buffer, one low-latency call
+    in flight. With receive-before-issue taken out (the order before: B's dispatch issued while
+    A's is in flight), the emulation refuses A's receive, as DeepEP would hang."""
+    from moespec.parallel import ParallelError
+    from moespec.parallel.exchange import LowLatencyExchange
+    monkeypatch.setattr(LowLatencyExchange, "receive_in_flight", lambda self: None)
+    runtime = EPRuntime(single_process_context(ParallelSection()), microbatch=True, max_tokens_per_rank=256,
+                        two_batch=True)
+    try:
+        with pytest.raises(ParallelError, match=r"dispatch #0 received after dispatch #1 was issued"):
+            run_forwards(deepseek_on_meta(runtime), runtime, "verify", 2)
+    finally:
+        runtime.close()
