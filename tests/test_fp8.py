@@ -3,6 +3,7 @@ keeps its FP8 checkpoint in FP8 against the same checkpoint dequantized on load 
 token, with and without its MTP layer drafting), and what loading costs in memory: a ~420 MB FP8
 checkpoint loaded by two expert-parallel ranks, each holding its half of the experts."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 from moespec import LLM, SamplingParams
 from moespec.models import load_model
-from moespec.models.fp8 import (dequantize_fp8_block, grouped_linear, quantize_fp8_block, reference_fp8_linear,
-                                scale_shape)
+from moespec.models.fp8 import (batched_fp8_linear, cuda_fp8_linear, dequantize_fp8_block, fp8_linear, grouped_linear,
+                                quantize_fp8_block, reference_fp8_linear, scale_shape)
 from reference import randomize_routing
 from test_checkpoint_loading import unfuse_experts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_fp8(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +36,90 @@ def test_reference_fp8_gemm_equals_the_dequantized_matmul():
         expected = x @ dequantize_fp8_block(weight, scale, torch.float32).t() + bias
         got = reference_fp8_linear(x, weight, scale, bias)
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()
+
+
+def test_slabs_of_many_blocks_equal_the_dequantized_matmul():
+    """The GPU fallback's slabs (several 128-row blocks at a time, a partial block last)."""
+    weight, scale = random_fp8(600, 256, seed=4)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    expected = x @ dequantize_fp8_block(weight, scale, torch.float32).t()
+    for slab_rows in (256, 2048):
+        assert torch.allclose(reference_fp8_linear(x, weight, scale, slab_rows=slab_rows), expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------- the CUDA path through torch's own scaled_mm checks
+
+
+class ScaledMMCalls(TorchDispatchMode):
+    """Counts the block-scaled GEMMs a call issues (on `meta` tensors: run through torch's meta
+    kernel, which makes the CUDA kernel's layout checks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten._scaled_mm_v2.default, torch.ops.aten._scaled_mm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def meta_fp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [..., N, K] and its block scales [..., N/128, K/128] on `meta`."""
+    *lead, N, K = shape
+    return (torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
+            torch.empty(*lead, *scale_shape(N, K), device="meta"))
+
+
+def deepseek_v3_projections() -> dict[str, tuple[int, int]]:
+    """(N, K) of every FP8 linear of DeepSeek-V3, from its config.json as released."""
+    c = json.loads((ROOT / "configs" / "deepseek-v3" / "config.json").read_text())
+    M, H, nope, rope, v = (c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                           c["v_head_dim"])
+    shared = c["moe_intermediate_size"] * c["n_shared_experts"]
+    return {"q_a_proj": (c["q_lora_rank"], M), "q_b_proj": (H * (nope + rope), c["q_lora_rank"]),
+            "kv_a_proj_with_mqa": (c["kv_lora_rank"] + rope, M), "kv_b_proj": (H * (nope + v), c["kv_lora_rank"]),
+            "o_proj": (M, H * v), "mlp.gate_up": (2 * c["intermediate_size"], M), "mlp.down": (M, c["intermediate_size"]),
+            "shared.gate_up": (2 * shared, M), "shared.down": (M, shared),
+            "expert.w13": (2 * c["moe_intermediate_size"], M), "expert.w2": (M, c["moe_intermediate_size"])}
+
+
+SMALL = {"K/128 = 1": (256, 128), "K/128 = 2": (128, 256), "K/128 = 3": (384, 384), "K/128 = 5": (256, 640),
+         "K/128 = 6": (128, 768)}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 128])
+@pytest.mark.parametrize("name,shape", [*SMALL.items(), *deepseek_v3_projections().items()])
+def test_cuda_fp8_gemm_passes_torchs_scaled_mm_checks(name, shape, rows):
+    """The CUDA FP8 linear on `meta` tensors: torch's meta kernel for scaled_mm makes the checks its
+    CUDA kernel makes (the 1x128 activation scales [T, K/128] with strides (1, T), even at T = 1;
+    the 128x128 weight scales [round_up(K/128, 4), N/128] with strides (1, round_up(K/128, 4))).
+    Whole blocks go through scaled_mm; a partial block (kv_a_proj_with_mqa, N = 576) is dequantized."""
+    N, K = shape
+    weight, scale = meta_fp8(N, K)
+    x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
+    if N % 128 == 0:
+        assert cuda_fp8_linear(x, weight, scale).shape == (rows, N)
+    with ScaledMMCalls() as calls:
+        out = fp8_linear(x, weight, scale, torch.empty(N, dtype=torch.bfloat16, device="meta"))
+    assert out.shape == (rows, N) and out.dtype == torch.bfloat16
+    assert calls.calls == (N % 128 == 0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 128])
+def test_grouped_cuda_fp8_gemms_pass_torchs_scaled_mm_checks(rows):
+    """The routed experts' two forms on `meta`: rows sorted by expert (`grouped_linear`, one GEMM per
+    expert hit, one of them a single row) and every expert over every row (`batched_fp8_linear`),
+    at DeepSeek-V3's expert shapes."""
+    shapes = deepseek_v3_projections()
+    for N, K in (shapes["expert.w13"], shapes["expert.w2"]):
+        weight, scale = meta_fp8(4, N, K)
+        counts = [rows, 0, 1, 2]
+        with ScaledMMCalls() as calls:
+            grouped = grouped_linear(torch.empty(sum(counts), K, dtype=torch.bfloat16, device="meta"), counts, weight,
+                                     scale)
+            batched = batched_fp8_linear(torch.empty(4, rows, K, dtype=torch.bfloat16, device="meta"), weight, scale)
+        assert grouped.shape == (sum(counts), N) and batched.shape == (4, rows, N)
+        assert calls.calls == 3 + 4
 
 
 def test_quantized_weights_are_close_to_the_originals():
