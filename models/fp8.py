@@ -179,6 +179,53 @@ def batched_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
     return out
 
 
+def grouped_rows_linear(x: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor,
+                        scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] with rows grouped by expert, group e ending at row ends[e] (int32 [E], on x's
+    device, never read on the host), weight [E, N, K] (FP8 with scale_inv [E, N/128, K/128], or
+    plain) -> [R, N]: group e's rows times weight[e]ᵀ, rows past ends[-1] not computed (undefined).
+    One `grouped_mm` per projection (FP8: per block of 128 output features, dequantized for every
+    expert at once), whose kernel reads the ends: the work follows the rows, the shapes do not."""
+    if scale_inv is None:
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    E, N, K = weight.shape
+    out = x.new_empty(x.shape[0], N)  # [R, N]
+    column_scales = scale_inv.float().repeat_interleave(BLOCK, 2)[:, :, :K]  # [E, N/128, K]
+    for block in range(column_scales.shape[1]):
+        rows = slice(block * BLOCK, min((block + 1) * BLOCK, N))
+        slab = (weight[:, rows].float() * column_scales[:, block, None]).to(x.dtype)  # [E, <=128, K]
+        out[:, rows] = F.grouped_mm(x, slab.transpose(1, 2), offs=ends)
+    return out
+
+
+def deep_gemm_masked(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
+                     scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """x [E, C, K] (bf16, the fixed-capacity layout, the first counts[e] rows of expert e valid)
+    @ dequantized(weight [E, N, K])ᵀ -> [E, C, N] bf16 by DeepGEMM's masked grouped FP8 GEMM, which
+    reads the counts on the device and skips the other rows (their outputs are undefined); None
+    when DeepGEMM is not installed or the call is not one it takes. Untested on GPU."""
+    deep_gemm = import_deep_gemm()
+    E, C, K = x.shape
+    if deep_gemm is None or not x.is_cuda or x.dtype != torch.bfloat16 or K % BLOCK:
+        return None
+    gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_masked", None) or deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked
+    x_fp8, x_scales = quantize_per_token_group(x.reshape(E * C, K))
+    out = x.new_empty(E, C, weight.shape[1])
+    gemm((x_fp8.view(E, C, K), x_scales.view(E, C, K // BLOCK)), (weight, scale_inv.float()), out,
+         counts.to(torch.int32), C)
+    return out
+
+
+@functools.cache
+def import_deep_gemm():
+    """DeepGEMM (built from source, github deepseek-ai/DeepGEMM), or None where it is absent."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
 def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
                    pad_single_row: bool = False) -> torch.Tensor:
     """Rows of x [T, K] sorted by group, counts[e] rows for group e; weight [E, N, K] (FP8 with

@@ -159,11 +159,15 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
         getattr(experts, name).data.copy_(torch.stack([p[0] for p in pairs]))
         getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([p[1] for p in pairs]))
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(1))
-    got = experts.forward_masked(x, torch.tensor([5, 0, 2]))
-    expected = plain.forward_masked(x, torch.tensor([5, 0, 2]))
+    counts = [5, 0, 2]
+    got = experts.forward_masked(x, torch.tensor(counts))
+    expected = plain.forward_masked(x, torch.tensor(counts))
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
-    for e in range(3):
-        assert torch.allclose(got[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+    every_row = experts.forward_masked(x)  # no counts: every row valid
+    for e, count in enumerate(counts):
+        assert torch.allclose(every_row[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got[e, :count], every_row[e, :count], rtol=1e-4, atol=1e-5)
+        assert not got[e, count:].any()  # the rows past a count: not computed, zero
     # captured (a static step), every expert runs over every token: a replay with other routing
     # runs the same ops (the grouped path sizes its GEMMs by per-expert counts read on the host)
     from moespec.capture import CheckedReplay
@@ -174,6 +178,58 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
     replay = CheckedReplay(lambda: (run_captured(experts, (tokens, ids, weights), real_rows),))
     ids.copy_(torch.tensor([[1, 2], [1, 0], [1, 2], [1, 0], [2, 0]]))
     assert torch.allclose(replay.replay()[0], experts.forward_grouped(tokens, ids, weights), rtol=1e-4, atol=1e-5)
+
+
+class OutputsComputed(TorchDispatchMode):
+    """Output elements the matmuls of a call compute: rows x columns of each mm / bmm, and of a
+    grouped_mm its rows up to the last group's end (its kernel skips the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._grouped_mm.default:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            self.elements += int(offs[-1]) * out.shape[-1]
+        elif func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+            self.elements += out.numel()
+        return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_masked_experts_compute_only_the_valid_rows_and_replay_with_other_counts(fp8):
+    """The fixed-capacity layout [L, N, M] with counts: the matmuls compute the valid rows' outputs
+    alone (4 experts x 16 rows, 3 of them valid: 3 / 64 of the rows), and a captured call (a
+    checked replay: the same ops on the same memory, no host read) gives the right outputs after
+    the counts and rows change in place."""
+    from moespec.capture import CheckedReplay
+    from moespec.models.moe import LocalExperts
+    torch.manual_seed(0)
+    L, N, M, I = 4, 16, 256, 128
+    experts = LocalExperts(L, M, I)
+    if fp8:
+        pairs = {name: [quantize_fp8_block(w) for w in getattr(experts, name).data] for name in ("w13", "w2")}
+        experts.to_fp8()
+        for name, qs in pairs.items():
+            getattr(experts, name).data.copy_(torch.stack([q for q, _ in qs]))
+            getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([s for _, s in qs]))
+    x, counts = torch.randn(L, N, M), torch.tensor([2, 0, 1, 0])
+    with OutputsComputed() as computed:
+        got = experts.forward_masked(x, counts)
+    assert computed.elements == 3 * (2 * I + M)  # every row: 64 x (2I + M)
+    every_row = experts.forward_masked(x)
+    for e, count in enumerate(counts.tolist()):
+        assert torch.allclose(got[e, :count], every_row[e, :count], rtol=1e-4, atol=1e-5)
+        assert not got[e, count:].any()
+    replay = CheckedReplay(lambda: (experts.forward_masked(x, counts),))
+    counts.copy_(torch.tensor([16, 3, 0, 7]))
+    x.copy_(torch.randn(L, N, M))
+    expected = experts.forward_masked(x.clone(), counts.clone())
+    torch.testing.assert_close(replay.replay()[0], expected)
+    assert expected[0].abs().sum() > 0 and not expected[2].any()
 
 
 # ---------------------------------------------------------------------- a model kept in FP8
