@@ -211,10 +211,12 @@ class LocalExperts(nn.Module):
         valid row, and the outputs put back in place -> [L, N, M], invalid rows zero."""
         L, N, M = x.shape
         order, ends, valid = valid_rows_first(counts, N)  # [L*N], [L], [L*N]
-        rows = x.reshape(L * N, M)[order]  # [L*N, M]
-        gate, up = grouped_rows_linear(rows, ends, self.w13, self.w13_scale_inv).chunk(2, dim=-1)  # [L*N, I] each
-        y = grouped_rows_linear(F.silu(gate) * up, ends, self.w2, self.w2_scale_inv)  # [L*N, M]
-        y = y.masked_fill(~valid[:, None], 0)  # rows past the last valid one were not computed
+        rows = x.reshape(L * N, M).index_select(0, order)  # [L*N, M]
+        gate_up = grouped_rows_linear(rows, ends, self.w13, self.w13_scale_inv)  # [L*N, 2I]
+        I = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :I], inplace=True).mul_(gate_up[:, I:])  # [L*N, I], in place: fewer passes
+        y = grouped_rows_linear(act, ends, self.w2, self.w2_scale_inv)  # [L*N, M]
+        y.masked_fill_(~valid[:, None], 0)  # rows past the last valid one were not computed
         return torch.empty_like(y).index_copy_(0, order, y).view(L, N, M)
 
     def forward_deep_gemm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
