@@ -6,8 +6,8 @@ each repeat); each cost is the median over repeats, and each ratio to 100% fill 
 per-repeat ratios. The cost is the process's CPU time (`time.process_time`), which other
 processes on a shared machine do not inflate; wall time is recorded beside it.
 
-  .venv/bin/python benchmarks/bench_masked_experts.py [--experts 8 --rows 1024 --hidden 1024 \
-      --intermediate 512 --threads 1 --repeats 9] [--out docs/bench/masked-experts.json]
+  .venv/bin/python benchmarks/bench_masked_experts.py [--experts 2 --rows 512 --hidden 7168 \
+      --intermediate 2048 --threads 1 --repeats 9] [--out docs/bench/masked-experts-deepseek-width.json]
 """
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ def measure(kind: str, L: int, N: int, M: int, I: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experts", type=int, default=8, help="L, local experts")
-    parser.add_argument("--rows", type=int, default=1024, help="N = G x C rows per expert")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=2, help="L, local experts")
+    parser.add_argument("--rows", type=int, default=512, help="N = G x C rows per expert")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: per-call costs not blurred by "
                         "thread start-up on a shared machine)")
     parser.add_argument("--repeats", type=int, default=9)
