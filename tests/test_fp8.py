@@ -122,6 +122,24 @@ def test_grouped_cuda_fp8_gemms_pass_torchs_scaled_mm_checks(rows):
         assert calls.calls == 3 + 4
 
 
+@pytest.mark.parametrize("capability,cuda,cublaslt,supported", [
+    ((9, 0), "12.9", 120903, True), ((9, 0), "12.8", 120903, False), ((9, 0), "12.9", 120805, False),
+    ((8, 9), "12.9", 120903, False), ((10, 0), "13.0", 130100, False)])
+def test_block_scaled_gemm_only_where_torch_has_it(monkeypatch, capability, cuda, cublaslt, supported):
+    """torch 2.13 runs DeepSeek-style (1x128, 128x128) scaling on SM90 only, built with CUDA and
+    loaded with cuBLASLt >= 12.9, and raises NotImplementedError elsewhere (ScaledBlas.cpp
+    `_check_deepseek_support`): anywhere else FP8 linears take the dequantizing fallback."""
+    import moespec.models.fp8 as fp8
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(fp8, "cublaslt_version", lambda: cublaslt)
+    fp8.blockwise_scaled_mm_supported.cache_clear()
+    try:
+        assert fp8.blockwise_scaled_mm_supported(0) is supported
+    finally:
+        fp8.blockwise_scaled_mm_supported.cache_clear()
+
+
 def test_quantized_weights_are_close_to_the_originals():
     w = torch.randn(256, 384, generator=torch.Generator().manual_seed(2))
     q, s = quantize_fp8_block(w)
