@@ -75,8 +75,9 @@ def blockwise_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's 1x128 x 128x128 `scaled_mm` takes x [T, K] @ weight [N, K]ᵀ: K and N whole
     blocks (torch's meta checks count K // 128 and N // 128 blocks where its CUDA kernel counts
     them rounded up: a partial block, such as DeepSeek-V3's kv_a_proj_with_mqa N = 576, passes only
-    one of them, so it takes the fallback), on a GPU whose cuBLASLt has the kernel (meta: always)."""
-    whole = x.shape[1] % BLOCK == 0 and weight.shape[0] % BLOCK == 0
+    one of them, so it takes the fallback), bfloat16 activations (DeepSeek's recipe; other output
+    dtypes are not known to have the kernel), on a GPU whose cuBLASLt has it (meta: always)."""
+    whole = x.shape[1] % BLOCK == 0 and weight.shape[0] % BLOCK == 0 and x.dtype == torch.bfloat16
     return whole and (x.is_meta or blockwise_scaled_mm_supported(x.device.index or 0))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from moespec.attention.flashinfer_backend import WORKSPACE_BYTES
 from moespec.config import ConfigError, EngineConfig
 
 GiB = 2**30
@@ -274,8 +275,6 @@ def flashinfer_components(config: EngineConfig) -> list[Component]:
     m = config.model
     if m.attention_backend != "flashinfer":
         return []
-    from moespec.attention.flashinfer_backend import WORKSPACE_BYTES
-
     runners = 1 + (config.speculation.mode != "none")
     backends = runners * (1 + bool(m.compile or m.cuda_graph))
     return [Component("FlashInfer workspaces", backends * WORKSPACE_BYTES,
