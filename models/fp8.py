@@ -6,8 +6,11 @@ Two implementations behind one dispatch:
   dequantized into a [128, K] slab and multiplied, so no full-precision copy of the weight ever
   exists. Correctness is the point, not speed.
 - CUDA: activations quantized per token per 128 channels (as DeepSeek's inference does), then
-  torch's block-scaled `scaled_mm` (1x128 activation scales, 128x128 weight scales; SM90+).
-  Untested on GPU in this project so far.
+  torch's block-scaled `scaled_mm` (1x128 activation scales, 128x128 weight scales), which needs
+  SM90 and cuBLASLt >= 12.9; elsewhere, or for a partial block, the weight is dequantized in
+  slabs of 2048 output features. `meta` tensors take the CUDA path, so torch's meta checks (the
+  CUDA kernel's, mirrored) check every call's layouts on a CPU (tests/test_fp8.py). Untested on
+  GPU in this project so far.
 
 Routed experts use the grouped form: rows sorted by expert, one call for all of them.
 
@@ -15,10 +18,14 @@ Shapes legend: T tokens (rows), K input features, N output features, E experts.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 
 BLOCK = 128
+DEVICE_SLAB_ROWS = 2048  # the fallback's output features per dequantized slab on a GPU (28 MiB at K = 7168)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 E4M3_MAX = 448.0
 
@@ -54,21 +61,62 @@ def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ dequantized(weight [N, K])ᵀ (+ bias) -> [T, N] in x's dtype."""
-    if x.is_cuda and hasattr(F, "scaled_mm"):
-        return cuda_fp8_linear(x, weight, scale_inv, bias)
+    """x [T, K] @ dequantized(weight [N, K])ᵀ (+ bias) -> [T, N] in x's dtype. CUDA (and `meta`, whose
+    checks are the CUDA ones): torch's block-scaled GEMM where the GPU and the shape allow it,
+    else the weight dequantized in slabs; CPU: the reference."""
+    if x.is_cuda or x.is_meta:
+        if blockwise_gemm_fits(x, weight):
+            return cuda_fp8_linear(x, weight, scale_inv, bias)
+        return reference_fp8_linear(x, weight, scale_inv, bias, slab_rows=DEVICE_SLAB_ROWS)
     return reference_fp8_linear(x, weight, scale_inv, bias)
 
 
+def blockwise_gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's 1x128 x 128x128 `scaled_mm` takes x [T, K] @ weight [N, K]ᵀ: K and N whole
+    blocks (torch's meta checks count K // 128 and N // 128 blocks where its CUDA kernel counts
+    them rounded up: a partial block, such as DeepSeek-V3's kv_a_proj_with_mqa N = 576, passes only
+    one of them, so it takes the fallback), bfloat16 activations (DeepSeek's recipe; other output
+    dtypes are not known to have the kernel), on a GPU whose cuBLASLt has it (meta: always)."""
+    whole = x.shape[1] % BLOCK == 0 and weight.shape[0] % BLOCK == 0 and x.dtype == torch.bfloat16
+    return whole and (x.is_meta or blockwise_scaled_mm_supported(x.device.index or 0))
+
+
+@functools.cache
+def blockwise_scaled_mm_supported(device_index: int) -> bool:
+    """DeepSeek-style block scaling in torch's `scaled_mm` runs on SM90 only, with cuBLAS and
+    cuBLASLt >= 12.9 (torch's ScaledBlas.cpp `_check_deepseek_support`, which raises otherwise);
+    elsewhere FP8 linears dequantize the weight in slabs (`reference_fp8_linear`)."""
+    if not hasattr(F, "scaled_mm") or torch.version.cuda is None:
+        return False
+    built = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return major == 9 and built >= (12, 9) and cublaslt_version() >= 120900
+
+
+def cublaslt_version() -> int:
+    """The loaded cuBLASLt's version (e.g. 120903 for 12.9.3; 0 when it cannot be read)."""
+    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        return int(lib.cublasLtGetVersion())
+    return 0
+
+
 def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Block row by block row: dequantize 128 output features [128, K], multiply, place."""
+                         bias: torch.Tensor | None = None, slab_rows: int = BLOCK) -> torch.Tensor:
+    """Slab by slab of `slab_rows` output features (whole blocks): dequantize [slab_rows, K],
+    multiply, place; no full-precision copy of the whole weight."""
     N, K = weight.shape
     out = x.new_empty(x.shape[0], N)  # [T, N]
+    blocks = slab_rows // BLOCK
     column_scales = scale_inv.float().repeat_interleave(BLOCK, 1)[:, :K]  # [N/128, K]
-    for block in range(column_scales.shape[0]):
-        rows = slice(block * BLOCK, min((block + 1) * BLOCK, N))
-        slab = (weight[rows].float() * column_scales[block]).to(x.dtype)  # [<=128, K]
+    for first in range(0, column_scales.shape[0], blocks):
+        rows = slice(first * BLOCK, min((first + blocks) * BLOCK, N))
+        scales = column_scales[first:first + blocks].repeat_interleave(BLOCK, 0)[:rows.stop - rows.start]
+        slab = (weight[rows].float() * scales).to(x.dtype)  # [<=slab_rows, K]
         out[:, rows] = x @ slab.t()
     return out if bias is None else out + bias
 
@@ -84,20 +132,44 @@ def quantize_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def cuda_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """DeepSeek's recipe on torch's block-scaled GEMM: 1x128 activation scales (M-major, as the SM90
-    kernel takes them), 128x128 weight scales; weight read as [K, N] column-major."""
-    if x.shape[1] % BLOCK:
-        return reference_fp8_linear(x, weight, scale_inv, bias)
+    """DeepSeek's recipe on torch's block-scaled GEMM (`blockwise_gemm_fits`): 1x128 activation
+    scales, 128x128 weight scales, each in the layout torch 2.13's ScaledBlas.cpp
+    (`_scaled_block1x128_block128x128`) and its meta check require; weight read as [K, N]
+    column-major."""
+    if x.shape[0] == 0:
+        out = x.new_empty(0, weight.shape[0])
+        return out if bias is None else out + bias
     x_fp8, x_scales = quantize_per_token_group(x)
     recipe = F.ScalingType
-    out = F.scaled_mm(x_fp8, weight.t(), x_scales.t().contiguous().t(), recipe.BlockWise1x128, scale_inv,
-                      recipe.BlockWise128x128, bias=bias, output_dtype=x.dtype)
-    return out
+    return F.scaled_mm(x_fp8, weight.t(), m_major(x_scales), recipe.BlockWise1x128, padded_block_scales(scale_inv),
+                       recipe.BlockWise128x128, bias=bias, output_dtype=x.dtype)
+
+
+def m_major(x_scales: torch.Tensor) -> torch.Tensor:
+    """Activation scales [T, K/128] -> the same values with strides (1, T), as scale_a must be for
+    every T. (`.t().contiguous().t()` gives strides (K/128, 1) when T = 1, which torch refuses.)"""
+    T, groups = x_scales.shape
+    out = torch.empty_strided((T, groups), (1, T), dtype=torch.float32, device=x_scales.device)
+    return out.copy_(x_scales)
+
+
+def padded_block_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """Weight scales [N/128, K/128] (as stored) -> scale_b [L4, N/128] with strides (1, L4),
+    L4 = K/128 rounded up to a multiple of 4: torch's layout for 128x128 weight blocks. The padding
+    blocks are zeros (no K reaches them)."""
+    blocks_n, blocks_k = scale_inv.shape
+    L4 = -(-blocks_k // 4) * 4
+    padded = scale_inv.new_zeros(blocks_n, L4, dtype=torch.float32)
+    padded[:, :blocks_k] = scale_inv
+    return padded.t()
 
 
 def batched_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """x [E, T, K] @ dequantized(weight [E, N, K])ᵀ -> [E, T, N]: every expert at once, one block
-    of 128 output features at a time (the fixed-capacity layout's masked grouped GEMM on CPU)."""
+    """x [E, T, K] @ dequantized(weight [E, N, K])ᵀ -> [E, T, N]: every row of every expert. CPU:
+    every expert at once, one block of 128 output features at a time; CUDA (and meta): each
+    expert's block-scaled GEMM (`fp8_linear`)."""
+    if x.is_cuda or x.is_meta:
+        return torch.stack([fp8_linear(x[e], weight[e], scale_inv[e]) for e in range(weight.shape[0])])
     E, N, K = weight.shape
     out = x.new_empty(E, x.shape[1], N)
     column_scales = scale_inv.float().repeat_interleave(BLOCK, 2)[:, :, :K]  # [E, N/128, K]
@@ -106,6 +178,53 @@ def batched_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
         slab = (weight[:, rows].float() * column_scales[:, block, None]).to(x.dtype)  # [E, <=128, K]
         out[:, :, rows] = torch.bmm(x, slab.transpose(1, 2))
     return out
+
+
+def grouped_rows_linear(x: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor,
+                        scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] with rows grouped by expert, group e ending at row ends[e] (int32 [E], on x's
+    device, never read on the host), weight [E, N, K] (FP8 with scale_inv [E, N/128, K/128], or
+    plain) -> [R, N]: group e's rows times weight[e]ᵀ, rows past ends[-1] not computed (undefined).
+    One `grouped_mm` per projection (FP8: per block of 128 output features, dequantized for every
+    expert at once), whose kernel reads the ends: the work follows the rows, the shapes do not."""
+    if scale_inv is None:
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    E, N, K = weight.shape
+    out = x.new_empty(x.shape[0], N)  # [R, N]
+    column_scales = scale_inv.float().repeat_interleave(BLOCK, 2)[:, :, :K]  # [E, N/128, K]
+    for block in range(column_scales.shape[1]):
+        rows = slice(block * BLOCK, min((block + 1) * BLOCK, N))
+        slab = (weight[:, rows].float() * column_scales[:, block, None]).to(x.dtype)  # [E, <=128, K]
+        out[:, rows] = F.grouped_mm(x, slab.transpose(1, 2), offs=ends)
+    return out
+
+
+def deep_gemm_masked(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
+                     scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """x [E, C, K] (bf16, the fixed-capacity layout, the first counts[e] rows of expert e valid)
+    @ dequantized(weight [E, N, K])ᵀ -> [E, C, N] bf16 by DeepGEMM's masked grouped FP8 GEMM, which
+    reads the counts on the device and skips the other rows (their outputs are undefined); None
+    when DeepGEMM is not installed or the call is not one it takes. Untested on GPU."""
+    deep_gemm = import_deep_gemm()
+    E, C, K = x.shape
+    if deep_gemm is None or not x.is_cuda or x.dtype != torch.bfloat16 or K % BLOCK:
+        return None
+    gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_masked", None) or deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked
+    x_fp8, x_scales = quantize_per_token_group(x.reshape(E * C, K))
+    out = x.new_empty(E, C, weight.shape[1])
+    gemm((x_fp8.view(E, C, K), x_scales.view(E, C, K // BLOCK)), (weight, scale_inv.float()), out,
+         counts.to(torch.int32), C)
+    return out
+
+
+@functools.cache
+def import_deep_gemm():
+    """DeepGEMM (built from source, github deepseek-ai/DeepGEMM), or None where it is absent."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.models.fp8 import BLOCK, batched_fp8_linear, expert_linear, grouped_linear, scale_shape
+from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, expert_linear, grouped_linear,
+                                grouped_rows_linear, scale_shape)
 from moespec.models.layers import PackedWeight, fixed_shapes, linear, packable
 from moespec.models.weights import WeightError
 
@@ -180,16 +181,65 @@ class LocalExperts(nn.Module):
 
     def forward_masked(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """The fixed-capacity layout: x [L, N, M] holds each local expert's rows, the first
-        counts[e] valid -> unweighted outputs [L, N, M] (rows past a count are left as computed:
-        nobody reads them). Every expert runs all N rows, one batched matmul per projection, so
-        the shapes never depend on the counts and the host never reads them (on a GPU, DeepGEMM's
-        masked grouped GEMM skips the invalid rows)."""
+        counts[e] (a device tensor, never read on the host) valid, or all of them when counts is
+        None -> unweighted outputs [L, N, M], rows past a count zero (DeepGEMM: undefined; nobody
+        reads them). The shapes never depend on the counts, so a captured step holds the call.
+        With counts the work follows them: DeepGEMM's masked grouped FP8 GEMM where it is installed
+        (CUDA), else the valid rows gathered in front and one grouped GEMM per projection
+        (`forward_valid_rows`; on CUDA in bf16 only, grouped_mm's kernel there)."""
+        if counts is None:
+            return self.forward_every_row(x)
+        if self.w13_scale_inv is not None:
+            out = self.forward_deep_gemm(x, counts)
+            if out is not None:
+                return out
+        if x.device.type == "cpu" or x.dtype == torch.bfloat16:
+            return self.forward_valid_rows(x, counts)
+        return self.forward_every_row(x)
+
+    def forward_every_row(self, x: torch.Tensor) -> torch.Tensor:
+        """Every expert over all N rows of x [L, N, M], one batched matmul per projection -> [L, N, M]."""
         if self.w13_scale_inv is not None:  # FP8 weights, block-scaled
             gate, up = batched_fp8_linear(x, self.w13, self.w13_scale_inv).chunk(2, dim=-1)  # [L, N, I] each
             return batched_fp8_linear(F.silu(gate) * up, self.w2, self.w2_scale_inv)  # [L, N, M]
         gate, up = torch.bmm(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)  # [L, N, I] each
         return torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [L, N, M]
 
+    def forward_valid_rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [L, N, M], counts [L]: the valid rows gathered in front, expert by expert (an order
+        found on the device), both projections over them as grouped GEMMs that stop at the last
+        valid row, and the outputs put back in place -> [L, N, M], invalid rows zero."""
+        L, N, M = x.shape
+        order, ends, valid = valid_rows_first(counts, N)  # [L*N], [L], [L*N]
+        rows = x.reshape(L * N, M).index_select(0, order)  # [L*N, M]
+        gate_up = grouped_rows_linear(rows, ends, self.w13, self.w13_scale_inv)  # [L*N, 2I]
+        I = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :I], inplace=True).mul_(gate_up[:, I:])  # [L*N, I], in place: fewer passes
+        y = grouped_rows_linear(act, ends, self.w2, self.w2_scale_inv)  # [L*N, M]
+        y.masked_fill_(~valid[:, None], 0)  # rows past the last valid one were not computed
+        return torch.empty_like(y).index_copy_(0, order, y).view(L, N, M)
+
+    def forward_deep_gemm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Both projections by DeepGEMM's masked grouped FP8 GEMM -> [L, N, M], or None where it
+        does not run (`deep_gemm_masked`). Untested on GPU."""
+        gate_up = deep_gemm_masked(x, counts, self.w13, self.w13_scale_inv)  # [L, N, 2I]
+        if gate_up is None:
+            return None
+        gate, up = gate_up.chunk(2, dim=-1)
+        return deep_gemm_masked(F.silu(gate) * up, counts, self.w2, self.w2_scale_inv)
+
     def run_expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = expert_linear(x, self.w13, self.w13_scale_inv, local, self.pad_single_row).chunk(2, dim=-1)
         return expert_linear(F.silu(gate) * up, self.w2, self.w2_scale_inv, local, self.pad_single_row)  # [n, M]
+
+
+def valid_rows_first(counts: torch.Tensor, rows_per_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """counts [L] valid rows at the front of each expert's block of rows_per_expert (N) -> (order
+    [L*N]: the flat rows, valid ones first in expert order, then the rest; ends [L] int32: the
+    row after each expert's last in that order; valid [L*N]: whether the row at each place is
+    one), all on the counts' device, computed without reading them on the host."""
+    counts = counts.clamp(max=rows_per_expert)
+    slot = torch.arange(rows_per_expert, device=counts.device)  # [N]
+    valid = (slot[None, :] < counts[:, None]).flatten()  # [L*N]
+    order = torch.argsort((~valid).to(torch.uint8), stable=True)  # [L*N]
+    return order, counts.cumsum(0).to(torch.int32), valid[order]

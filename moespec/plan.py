@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from moespec import throughput
+from moespec.attention.flashinfer_backend import WORKSPACE_BYTES
 from moespec.config import ConfigError, EngineConfig
 
 GiB = 2**30
@@ -238,7 +239,7 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
         components.append(Component("MTP state", mtp_state_bytes(sched.max_num_seqs, k, model_config.hidden_size,
                                                                  dtype),
                                     "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
-    components += deepep_components(config, model_config)
+    components += deepep_components(config, model_config) + flashinfer_components(config)
     components.append(Component("penalty counts", sched.max_num_seqs * PENALTY_COUNT_BYTES * model_config.vocab_size,
                                 "kept for running requests with penalties (sampling.TokenCounts): "
                                 "max_num_seqs x 5 bytes x vocab"))
@@ -271,6 +272,19 @@ def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, t
             head = MTPHead(MTPHeadConfig.from_hf(read_hf_config(spec.mtp_head))).to(dtype)
         return "MTP head weights", spec.mtp_head, head
     return None
+
+
+def flashinfer_components(config: EngineConfig) -> list[Component]:
+    """One FlashInfer float workspace per attention backend, which every plan and captured step of
+    it shares: the target's runner and the speculator's, and each one's static steps."""
+    m = config.model
+    if m.attention_backend != "flashinfer":
+        return []
+    runners = 1 + (config.speculation.mode != "none")
+    backends = runners * (1 + bool(m.compile or m.cuda_graph))
+    return [Component("FlashInfer workspaces", backends * WORKSPACE_BYTES,
+                      f"{backends} x {WORKSPACE_BYTES // 2**20} MiB: one per attention backend (runners and their "
+                      "static steps), shared by all of its plans")]
 
 
 def deepep_components(config: EngineConfig, model_config) -> list[Component]:

@@ -11,6 +11,9 @@ What it holds the caller to, as FlashInfer does or needs:
   plan's; `run` reads the buffers alone, with shapes fixed by their sizes and no host read, so a
   captured step replays correctly only when it was planned again before the replay.
 
+- the float workspace is a uint8 tensor; `FakeWrapper.workspaces` keeps the distinct ones
+  handed to wrappers (FlashInfer keeps a reference and writes its partial results there).
+
 Install with `install(monkeypatch)`; `FakeWrapper.runs` counts runs per mode.
 """
 from __future__ import annotations
@@ -31,6 +34,13 @@ def check_int32(**tensors: torch.Tensor) -> None:
 
 class FakeWrapper:
     runs = {"graph": 0, "eager": 0}
+    workspaces: dict[int, torch.Tensor] = {}  # data_ptr -> each distinct float workspace given
+
+    def keep_workspace(self, workspace: torch.Tensor) -> None:
+        if not torch.is_tensor(workspace) or workspace.dtype != torch.uint8:
+            raise ValueError("float_workspace_buffer must be a uint8 tensor")
+        self.workspace = workspace
+        FakeWrapper.workspaces[workspace.data_ptr()] = workspace
 
     def init_buffers(self, use_cuda_graph: bool, buffers: dict[str, torch.Tensor | None]) -> None:
         self.use_cuda_graph = use_cuda_graph
@@ -104,6 +114,7 @@ class BatchPrefillWithPagedKVCacheWrapper(FakeWrapper):
                  paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto"):
         if kv_layout != "NHD":
             raise ValueError("only NHD here")
+        self.keep_workspace(float_workspace_buffer)
         self.init_buffers(use_cuda_graph, {"qo_indptr": qo_indptr_buf, "kv_indptr": paged_kv_indptr_buf,
                                            "kv_indices": paged_kv_indices_buf,
                                            "kv_last_page_len": paged_kv_last_page_len_buf})
@@ -141,6 +152,7 @@ class BatchPrefillWithPagedKVCacheWrapper(FakeWrapper):
 class BatchMLAPagedAttentionWrapper(FakeWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None,
                  kv_indptr=None, kv_indices=None, kv_len_arr=None, backend: str = "auto"):
+        self.keep_workspace(float_workspace_buffer)
         self.init_buffers(use_cuda_graph, {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
                                            "kv_len_arr": kv_len_arr})
 
@@ -175,4 +187,5 @@ def install(monkeypatch) -> types.ModuleType:
     module.BatchMLAPagedAttentionWrapper = BatchMLAPagedAttentionWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     FakeWrapper.runs = {"graph": 0, "eager": 0}
+    FakeWrapper.workspaces = {}
     return module

@@ -9,10 +9,12 @@ import torch
 import fake_flashinfer
 from moespec import LLM, SamplingParams
 from moespec.attention import TorchPagedAttention, create_backend
-from moespec.attention.flashinfer_backend import FlashInferAttention
+from moespec.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention
+from moespec.batch import Span, pack_spans
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model
 from moespec.models.weights import KVSpec
+from moespec.plan import plan_memory
 from moespec.static_step import StaticSpec
 from test_capture import decode_steps
 from test_gpu import SHAPES, attention_run
@@ -89,3 +91,59 @@ def test_greedy_identical_with_cuda_graph_on_flashinfer(flashinfer, llama64, mod
     assert fake_flashinfer.FakeWrapper.runs["graph"] > 0
     if mode == "draft":
         assert llm.engine.speculator.runner.static.captured
+
+
+def test_captured_plans_share_their_backends_one_workspace(flashinfer, llama64):
+    """Three captured steps (batches of 1, 2 and 4 requests) and the eager steps: two workspaces in
+    all, the runner's (eager) and its static steps' (every captured plan), however many shapes are
+    captured. (A plan copied before its backend's workspace existed made one per captured step.)"""
+    model = load_model(llama64[0], dtype="bfloat16", show_progress=False)
+    spec = StaticSpec((1, 2, 4), compile=False, capture=True, kv_capacity=64, smallest_kv_length=4)
+    runner = ModelRunner(model, 16, 4, attention_backend="flashinfer", static=spec)
+    for requests in (1, 2, 3):
+        spans = [Span([3 * b, 3 * b + 1, 3 * b + 2], 6, [10 + b]) for b in range(requests)]
+        batch = pack_spans(spans, 4, "decode", sampled=[True] * requests)
+        runner.forward(batch, runner.plan(batch))
+    batch = pack_spans([Span([0, 1, 2], 4, [5, 6])], 4, "prefill", sampled=[True])  # eager
+    runner.forward(batch, runner.plan(batch))
+    steps = runner.static.captured
+    assert len(steps) == 3
+    graph_wrappers = [w for step in steps.values() for w in step.backend.wrappers.values()]
+    assert all(w.use_cuda_graph for w in graph_wrappers) and len(graph_wrappers) == 3
+    assert {id(w.workspace) for w in graph_wrappers} == {id(runner.static.backend.workspace)}
+    assert {id(w.workspace) for w in runner.backend.wrappers.values()} == {id(runner.backend.workspace)}
+    assert len(fake_flashinfer.FakeWrapper.workspaces) == 2
+
+
+def test_plan_counts_one_workspace_per_flashinfer_backend():
+    """`moespec plan` counts a FlashInfer workspace per backend: the target's and its speculator's
+    runners, and each one's static steps when steps are compiled or captured."""
+    from pathlib import Path
+
+    from moespec.config import build_config
+    tiny = Path(__file__).resolve().parent.parent / "checkpoints"
+    model = {"path": str(tiny / "tiny-llama"), "device": "cpu", "attention_backend": "flashinfer"}
+    draft = {"mode": "draft", "draft_model": str(tiny / "tiny-llama-draft"), "num_speculative_tokens": 2}
+
+    def workspaces(model: dict, speculation: dict | None = None) -> int | None:
+        config = build_config({"model": model, **({"speculation": speculation} if speculation else {})})
+        named = {c.name: c.bytes for c in plan_memory(config, 24 * 2**30).components}
+        return named.get("FlashInfer workspaces")
+
+    assert workspaces(model) == WORKSPACE_BYTES
+    assert workspaces({**model, "cuda_graph": True}) == 2 * WORKSPACE_BYTES
+    assert workspaces({**model, "cuda_graph": True}, draft) == 4 * WORKSPACE_BYTES
+    assert workspaces({**model, "attention_backend": "torch"}) is None
+
+
+def test_flashinfer_planning_reads_nothing_on_the_device(flashinfer):
+    """The batch on `meta` (no values: any read of one on the host raises), its host copy beside
+    it, as on a GPU: planning the written slots and the wrapper must not touch the device values.
+    (repeat_interleave without output_size sizes its output by reading the counts.)"""
+    spans = [Span([3 * b, 3 * b + 1], 5 + b, [7] * (1 + b)) for b in range(3)]
+    batch = pack_spans(spans, 4, "verify").to("meta")
+    backend = FlashInferAttention("meta")
+    backend.plan(batch.attention_metadata())
+    assert backend.slots.device.type == "meta" and backend.slots.shape == (6,)
+    backend.plan_wrapper((8, 2, 128, 128, 0.1, False, torch.bfloat16, torch.bfloat16))
+    assert backend.wrappers["paged"].buffers["qo_indptr"].tolist() == [0, 1, 3, 6]

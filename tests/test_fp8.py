@@ -3,6 +3,7 @@ keeps its FP8 checkpoint in FP8 against the same checkpoint dequantized on load 
 token, with and without its MTP layer drafting), and what loading costs in memory: a ~420 MB FP8
 checkpoint loaded by two expert-parallel ranks, each holding its half of the experts."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 from moespec import LLM, SamplingParams
 from moespec.models import load_model
-from moespec.models.fp8 import (dequantize_fp8_block, grouped_linear, quantize_fp8_block, reference_fp8_linear,
-                                scale_shape)
+from moespec.models.fp8 import (batched_fp8_linear, cuda_fp8_linear, dequantize_fp8_block, fp8_linear, grouped_linear,
+                                quantize_fp8_block, reference_fp8_linear, scale_shape)
 from reference import randomize_routing
 from test_checkpoint_loading import unfuse_experts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_fp8(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +36,108 @@ def test_reference_fp8_gemm_equals_the_dequantized_matmul():
         expected = x @ dequantize_fp8_block(weight, scale, torch.float32).t() + bias
         got = reference_fp8_linear(x, weight, scale, bias)
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()
+
+
+def test_slabs_of_many_blocks_equal_the_dequantized_matmul():
+    """The GPU fallback's slabs (several 128-row blocks at a time, a partial block last)."""
+    weight, scale = random_fp8(600, 256, seed=4)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    expected = x @ dequantize_fp8_block(weight, scale, torch.float32).t()
+    for slab_rows in (256, 2048):
+        assert torch.allclose(reference_fp8_linear(x, weight, scale, slab_rows=slab_rows), expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------- the CUDA path through torch's own scaled_mm checks
+
+
+class ScaledMMCalls(TorchDispatchMode):
+    """Counts the block-scaled GEMMs a call issues (on `meta` tensors: run through torch's meta
+    kernel, which makes the CUDA kernel's layout checks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (torch.ops.aten._scaled_mm_v2.default, torch.ops.aten._scaled_mm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def meta_fp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [..., N, K] and its block scales [..., N/128, K/128] on `meta`."""
+    *lead, N, K = shape
+    return (torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
+            torch.empty(*lead, *scale_shape(N, K), device="meta"))
+
+
+def deepseek_v3_projections() -> dict[str, tuple[int, int]]:
+    """(N, K) of every FP8 linear of DeepSeek-V3, from its config.json as released."""
+    c = json.loads((ROOT / "configs" / "deepseek-v3" / "config.json").read_text())
+    M, H, nope, rope, v = (c["hidden_size"], c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                           c["v_head_dim"])
+    shared = c["moe_intermediate_size"] * c["n_shared_experts"]
+    return {"q_a_proj": (c["q_lora_rank"], M), "q_b_proj": (H * (nope + rope), c["q_lora_rank"]),
+            "kv_a_proj_with_mqa": (c["kv_lora_rank"] + rope, M), "kv_b_proj": (H * (nope + v), c["kv_lora_rank"]),
+            "o_proj": (M, H * v), "mlp.gate_up": (2 * c["intermediate_size"], M), "mlp.down": (M, c["intermediate_size"]),
+            "shared.gate_up": (2 * shared, M), "shared.down": (M, shared),
+            "expert.w13": (2 * c["moe_intermediate_size"], M), "expert.w2": (M, c["moe_intermediate_size"])}
+
+
+SMALL = {"K/128 = 1": (256, 128), "K/128 = 2": (128, 256), "K/128 = 3": (384, 384), "K/128 = 5": (256, 640),
+         "K/128 = 6": (128, 768)}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 128])
+@pytest.mark.parametrize("name,shape", [*SMALL.items(), *deepseek_v3_projections().items()])
+def test_cuda_fp8_gemm_passes_torchs_scaled_mm_checks(name, shape, rows):
+    """The CUDA FP8 linear on `meta` tensors: torch's meta kernel for scaled_mm makes the checks its
+    CUDA kernel makes (the 1x128 activation scales [T, K/128] with strides (1, T), even at T = 1;
+    the 128x128 weight scales [round_up(K/128, 4), N/128] with strides (1, round_up(K/128, 4))).
+    Whole blocks go through scaled_mm; a partial block (kv_a_proj_with_mqa, N = 576) is dequantized."""
+    N, K = shape
+    weight, scale = meta_fp8(N, K)
+    x = torch.empty(rows, K, dtype=torch.bfloat16, device="meta")
+    if N % 128 == 0:
+        assert cuda_fp8_linear(x, weight, scale).shape == (rows, N)
+    with ScaledMMCalls() as calls:
+        out = fp8_linear(x, weight, scale, torch.empty(N, dtype=torch.bfloat16, device="meta"))
+    assert out.shape == (rows, N) and out.dtype == torch.bfloat16
+    assert calls.calls == (N % 128 == 0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 128])
+def test_grouped_cuda_fp8_gemms_pass_torchs_scaled_mm_checks(rows):
+    """The routed experts' two forms on `meta`: rows sorted by expert (`grouped_linear`, one GEMM per
+    expert hit, one of them a single row) and every expert over every row (`batched_fp8_linear`),
+    at DeepSeek-V3's expert shapes."""
+    shapes = deepseek_v3_projections()
+    for N, K in (shapes["expert.w13"], shapes["expert.w2"]):
+        weight, scale = meta_fp8(4, N, K)
+        counts = [rows, 0, 1, 2]
+        with ScaledMMCalls() as calls:
+            grouped = grouped_linear(torch.empty(sum(counts), K, dtype=torch.bfloat16, device="meta"), counts, weight,
+                                     scale)
+            batched = batched_fp8_linear(torch.empty(4, rows, K, dtype=torch.bfloat16, device="meta"), weight, scale)
+        assert grouped.shape == (sum(counts), N) and batched.shape == (4, rows, N)
+        assert calls.calls == 3 + 4
+
+
+@pytest.mark.parametrize("capability,cuda,cublaslt,supported", [
+    ((9, 0), "12.9", 120903, True), ((9, 0), "12.8", 120903, False), ((9, 0), "12.9", 120805, False),
+    ((8, 9), "12.9", 120903, False), ((10, 0), "13.0", 130100, False)])
+def test_block_scaled_gemm_only_where_torch_has_it(monkeypatch, capability, cuda, cublaslt, supported):
+    """torch 2.13 runs DeepSeek-style (1x128, 128x128) scaling on SM90 only, built with CUDA and
+    loaded with cuBLASLt >= 12.9, and raises NotImplementedError elsewhere (ScaledBlas.cpp
+    `_check_deepseek_support`): anywhere else FP8 linears take the dequantizing fallback."""
+    import moespec.models.fp8 as fp8
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(fp8, "cublaslt_version", lambda: cublaslt)
+    fp8.blockwise_scaled_mm_supported.cache_clear()
+    try:
+        assert fp8.blockwise_scaled_mm_supported(0) is supported
+    finally:
+        fp8.blockwise_scaled_mm_supported.cache_clear()
 
 
 def test_quantized_weights_are_close_to_the_originals():
@@ -71,11 +177,15 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
         getattr(experts, name).data.copy_(torch.stack([p[0] for p in pairs]))
         getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([p[1] for p in pairs]))
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(1))
-    got = experts.forward_masked(x, torch.tensor([5, 0, 2]))
-    expected = plain.forward_masked(x, torch.tensor([5, 0, 2]))
+    counts = [5, 0, 2]
+    got = experts.forward_masked(x, torch.tensor(counts))
+    expected = plain.forward_masked(x, torch.tensor(counts))
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
-    for e in range(3):
-        assert torch.allclose(got[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+    every_row = experts.forward_masked(x)  # no counts: every row valid
+    for e, count in enumerate(counts):
+        assert torch.allclose(every_row[e], experts.run_expert(e, x[e]), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got[e, :count], every_row[e, :count], rtol=1e-4, atol=1e-5)
+        assert not got[e, count:].any()  # the rows past a count: not computed, zero
     # captured (a static step), every expert runs over every token: a replay with other routing
     # runs the same ops (the grouped path sizes its GEMMs by per-expert counts read on the host)
     from moespec.capture import CheckedReplay
@@ -86,6 +196,58 @@ def test_masked_fp8_experts_equal_each_experts_matmul():
     replay = CheckedReplay(lambda: (run_captured(experts, (tokens, ids, weights), real_rows),))
     ids.copy_(torch.tensor([[1, 2], [1, 0], [1, 2], [1, 0], [2, 0]]))
     assert torch.allclose(replay.replay()[0], experts.forward_grouped(tokens, ids, weights), rtol=1e-4, atol=1e-5)
+
+
+class OutputsComputed(TorchDispatchMode):
+    """Output elements the matmuls of a call compute: rows x columns of each mm / bmm, and of a
+    grouped_mm its rows up to the last group's end (its kernel skips the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._grouped_mm.default:
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            self.elements += int(offs[-1]) * out.shape[-1]
+        elif func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
+            self.elements += out.numel()
+        return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_masked_experts_compute_only_the_valid_rows_and_replay_with_other_counts(fp8):
+    """The fixed-capacity layout [L, N, M] with counts: the matmuls compute the valid rows' outputs
+    alone (4 experts x 16 rows, 3 of them valid: 3 / 64 of the rows), and a captured call (a
+    checked replay: the same ops on the same memory, no host read) gives the right outputs after
+    the counts and rows change in place."""
+    from moespec.capture import CheckedReplay
+    from moespec.models.moe import LocalExperts
+    torch.manual_seed(0)
+    L, N, M, I = 4, 16, 256, 128
+    experts = LocalExperts(L, M, I)
+    if fp8:
+        pairs = {name: [quantize_fp8_block(w) for w in getattr(experts, name).data] for name in ("w13", "w2")}
+        experts.to_fp8()
+        for name, qs in pairs.items():
+            getattr(experts, name).data.copy_(torch.stack([q for q, _ in qs]))
+            getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([s for _, s in qs]))
+    x, counts = torch.randn(L, N, M), torch.tensor([2, 0, 1, 0])
+    with OutputsComputed() as computed:
+        got = experts.forward_masked(x, counts)
+    assert computed.elements == 3 * (2 * I + M)  # every row: 64 x (2I + M)
+    every_row = experts.forward_masked(x)
+    for e, count in enumerate(counts.tolist()):
+        assert torch.allclose(got[e, :count], every_row[e, :count], rtol=1e-4, atol=1e-5)
+        assert not got[e, count:].any()
+    replay = CheckedReplay(lambda: (experts.forward_masked(x, counts),))
+    counts.copy_(torch.tensor([16, 3, 0, 7]))
+    x.copy_(torch.randn(L, N, M))
+    expected = experts.forward_masked(x.clone(), counts.clone())
+    torch.testing.assert_close(replay.replay()[0], expected)
+    assert expected[0].abs().sum() > 0 and not expected[2].any()
 
 
 # ---------------------------------------------------------------------- a model kept in FP8

@@ -39,13 +39,15 @@ class FlashInferAttention:
     def __init__(self, device: str | torch.device = "cuda", workspace: torch.Tensor | None = None,
                  graph_shape: tuple[int, int] | None = None) -> None:
         """`graph_shape` (requests B, most pages): CUDA-graph wrappers over index buffers of
-        those sizes (`static_plan`); `workspace`: a float workspace to share (graphs replay one
-        at a time on one stream, as eager steps run)."""
+        those sizes (`static_plan`); `workspace`: the float workspace to share (graphs replay one
+        at a time on one stream, as eager steps run), else this backend's own, made here so that
+        every copy of it (a static step's plan is a shallow copy) and every captured plan shares it."""
         import flashinfer  # imported only when configured
 
         self.flashinfer = flashinfer
         self.device = torch.device(device)
-        self.workspace = workspace
+        self.workspace = (workspace if workspace is not None else
+                          torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
         self.graph_shape = graph_shape
         self.kv_capacity = 0  # captured steps: the KV positions per request their index buffers hold
         self.wrappers: dict[str, object] = {}
@@ -53,18 +55,13 @@ class FlashInferAttention:
         self.slots: torch.Tensor | None = None  # [T] cache rows this step's keys and values go to
         self.planned: tuple | None = None  # the head layout the wrappers are planned for
 
-    def get_workspace(self) -> torch.Tensor:
-        if self.workspace is None:
-            self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        return self.workspace
-
     def wrapper(self, kind: str):
         if kind not in self.wrappers:
             self.wrappers[kind] = self.new_wrapper(kind)
         return self.wrappers[kind]
 
     def new_wrapper(self, kind: str):
-        workspace = self.get_workspace()
+        workspace = self.workspace
         if self.graph_shape is None:
             if kind == "mla":
                 return self.flashinfer.BatchMLAPagedAttentionWrapper(workspace)
@@ -83,9 +80,11 @@ class FlashInferAttention:
             paged_kv_indices_buf=buffer(pages), paged_kv_last_page_len_buf=buffer(B))
 
     def plan(self, meta: AttentionMetadata) -> None:
+        """The rows this step's keys and values go to, from device tensors without reading them: the
+        token count is the host's (without `output_size`, repeat_interleave waits for the device)."""
         S = meta.page_size
         request = torch.repeat_interleave(torch.arange(meta.num_requests, device=meta.positions.device),
-                                          meta.q_lens())
+                                          meta.q_lens(), output_size=meta.positions.shape[0])  # [T]
         page = meta.kv_indices[meta.kv_indptr[request] + meta.positions // S]
         self.slots = page * S + meta.positions % S  # [T]
         self.meta = meta
@@ -117,7 +116,7 @@ class FlashInferAttention:
         if not self.kv_capacity:
             raise ValueError("a captured FlashInfer step needs kv_capacity, the KV positions its buffers hold")
         pages = host.num_requests * -(-self.kv_capacity // host.page_size)
-        fixed = FlashInferAttention(self.device, self.get_workspace(), (host.num_requests, pages))
+        fixed = FlashInferAttention(self.device, self.workspace, (host.num_requests, pages))
         fixed.meta, fixed.slots = self.meta, self.slots.clone()
         return fixed
 
