@@ -225,27 +225,3 @@ def import_deep_gemm():
     except ImportError:
         return None
     return deep_gemm
-
-
-def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
-                   pad_single_row: bool = False) -> torch.Tensor:
-    """Rows of x [T, K] sorted by group, counts[e] rows for group e; weight [E, N, K] (FP8 with
-    scale_inv [E, N/128, K/128], or plain) -> [T, N]: group e's rows times weight[e]ᵀ."""
-    out = x.new_empty(x.shape[0], weight.shape[1])
-    start = 0
-    for group, count in enumerate(counts):
-        if count:
-            rows = slice(start, start + count)
-            out[rows] = expert_linear(x[rows], weight, scale_inv, group, pad_single_row)
-            start += count
-    return out
-
-
-def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, expert: int,
-                  pad_single_row: bool = False) -> torch.Tensor:
-    """x [T, K] @ weight[expert]ᵀ for stacked expert weights [E, N, K]."""
-    if scale_inv is not None:
-        return fp8_linear(x, weight[expert], scale_inv[expert])
-    from moespec.models.layers import linear  # layers imports this module
-
-    return linear(x, weight[expert], pad_single_row=pad_single_row)

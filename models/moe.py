@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, expert_linear, grouped_linear,
-                                grouped_rows_linear, scale_shape)
+from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, fp8_linear, grouped_rows_linear,
+                                scale_shape)
 from moespec.models.layers import PackedWeight, fixed_shapes, linear, packable
 from moespec.models.weights import WeightError
 
@@ -243,3 +243,25 @@ def valid_rows_first(counts: torch.Tensor, rows_per_expert: int) -> tuple[torch.
     valid = (slot[None, :] < counts[:, None]).flatten()  # [L*N]
     order = torch.argsort((~valid).to(torch.uint8), stable=True)  # [L*N]
     return order, counts.cumsum(0).to(torch.int32), valid[order]
+
+
+def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
+                   pad_single_row: bool = False) -> torch.Tensor:
+    """Rows of x [T, K] sorted by group, counts[e] rows for group e; weight [E, N, K] (FP8 with
+    scale_inv [E, N/128, K/128], or plain) -> [T, N]: group e's rows times weight[e]ᵀ."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for group, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            out[rows] = expert_linear(x[rows], weight, scale_inv, group, pad_single_row)
+            start += count
+    return out
+
+
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None, expert: int,
+                  pad_single_row: bool = False) -> torch.Tensor:
+    """x [T, K] @ weight[expert]ᵀ for stacked expert weights [E, N, K]."""
+    if scale_inv is not None:
+        return fp8_linear(x, weight[expert], scale_inv[expert])
+    return linear(x, weight[expert], pad_single_row=pad_single_row)

@@ -13,8 +13,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 
 from moespec import LLM, SamplingParams
 from moespec.models import load_model
-from moespec.models.fp8 import (batched_fp8_linear, cuda_fp8_linear, dequantize_fp8_block, fp8_linear, grouped_linear,
+from moespec.models.fp8 import (batched_fp8_linear, cuda_fp8_linear, dequantize_fp8_block, fp8_linear,
                                 quantize_fp8_block, reference_fp8_linear, scale_shape)
+from moespec.models.moe import grouped_linear
 from reference import randomize_routing
 from test_checkpoint_loading import unfuse_experts
 from torch.utils._python_dispatch import TorchDispatchMode
