@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moespec.config import ConfigError, build_config, package_file
+from moespec.config import load_config as load_config_file
 from moespec.llm import LLM
 from moespec.models import load_config, load_model
 from moespec.models.gguf import GGUFError, find_gguf
@@ -64,6 +65,11 @@ def test_config_comes_from_the_metadata(smollm_path):
     assert find_gguf(smollm_path.parent) == smollm_path  # the directory holding the file names it too
 
 
+def test_smollm_config_finds_the_installed_file(smollm_path):
+    config = load_config_file(Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m.yaml")
+    assert Path(config.model.path) == smollm_path and config.speculation.mode == "none"
+
+
 def test_mtp_head_for_a_gguf_target_fits_it(llm, smollm_path):
     head = build_head(smollm_path, "rmsnorm", seed=0)
     check_head_fits(llm.engine.model, head)
@@ -98,6 +104,29 @@ def test_greedy_output_equals_transformers(llm, hf_model):
     ours = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     for prompt, got in zip(prompts, ours):
         assert len(got) == NEW_TOKENS and hf_greedy_choices(hf_model, prompt, got) == got
+
+
+def test_chat_endpoint_renders_the_model_chat_template(llm):
+    """The server's chat prompt is the file's ChatML template (with its default system turn), token
+    for token: the prompt count matches, and the greedy reply is the engine's reply to the prompt
+    transformers renders (the engine's greedy output equals transformers', above)."""
+    import openai
+    from moespec.server import create_app
+    from test_server import RunningServer
+
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"]
+    assert tokenizer.decode(prompt).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].text
+    with RunningServer(llm.engine, create_app(llm.engine, "smollm2", "key")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="key")
+        reply = client.chat.completions.create(model="smollm2", messages=messages, temperature=0.0,
+                                               max_tokens=NEW_TOKENS)
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.choices[0].message.content == expected
 
 
 # ---------------------------------------------------------------- damaged and unsupported files
