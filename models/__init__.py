@@ -1,8 +1,9 @@
 """Model definitions and HF checkpoint loading.
 
 `load_model(dir)` reads config.json, builds the architecture named by `model_type` and loads
-its safetensors. Every model has the same contract: `forward(input_ids [T], positions [T], ctx)
--> final-normed hidden [T, M]`, `compute_logits(hidden) -> [T, V]`, `kv_cache_spec()`.
+its safetensors; `dir` may also be a GGUF file or hold one (models.gguf). Every model has the
+same contract: `forward(input_ids [T], positions [T], ctx) -> final-normed hidden [T, M]`,
+`compute_logits(hidden) -> [T, V]`, `kv_cache_spec()`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from torch import nn
 
 from moespec.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moespec.models.llama import LlamaConfig, LlamaForCausalLM
-from moespec.models.weights import KVSpec, WeightError, WeightLoader, read_hf_config
+from moespec.models import gguf
+from moespec.models.weights import KVSpec, WeightError, open_weights, read_hf_config
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -37,7 +39,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_config(model_dir: str | Path):
-    hf = read_hf_config(model_dir)
+    return config_from_hf(read_hf_config(model_dir))
+
+
+def config_from_hf(hf: dict):
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise WeightError(f"config.json model_type {model_type!r} is not supported; allowed: {sorted(ARCHITECTURES)}")
@@ -120,19 +125,23 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     """Build on the meta device, allocate each parameter once in its final dtype on `device`, and
     read into it the checkpoint tensors this process holds (see WeightLoader)."""
     dtype = resolve_dtype(dtype)
-    config = load_config(model_dir)
-    loader = WeightLoader(model_dir, show_progress=show_progress)
+    hf, loader = open_weights(model_dir, show_progress=show_progress)
+    config = config_from_hf(hf)
     fit_config = getattr(ARCHITECTURES[config.model_type][1], "fit_config", None)
     if fit_config is not None:
         config = fit_config(config, list(loader.files))
-    model, _ = build_on_meta(config, dtype, quantization, read_hf_config(model_dir), **kwargs)
+    model, _ = build_on_meta(config, dtype, quantization, hf, **kwargs)
     materialize(model, device)
     model.load_weights(loader)
     return model.eval().requires_grad_(False)
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The model directory's HF tokenizer, or None when it ships none (token-id prompts only)."""
+    """The model directory's HF tokenizer (a GGUF file's, from its metadata), or None when it ships
+    none (token-id prompts only)."""
+    gguf_file = gguf.find_gguf(model_dir)
+    if gguf_file is not None:
+        return gguf.load_tokenizer(gguf_file)
     path = Path(model_dir)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

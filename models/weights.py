@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from moespec.models.errors import WeightError
 from moespec.models.fp8 import FP8_DTYPES, dequantize_fp8_block, is_fp8
+from moespec.models.gguf import GGUFCheckpoint, find_gguf, open_checkpoint
 from moespec.models.layers import merged_aliases
 
 SCALE_SUFFIX = "_scale_inv"
@@ -52,6 +53,10 @@ def hf_eos_ids(hf: dict) -> tuple[int, ...]:
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
+    """config.json of a model directory, or the same keys from a GGUF file's metadata."""
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        return dict(open_checkpoint(gguf).hf_config)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
@@ -323,3 +328,36 @@ class WeightLoader:
             raise WeightError(f"checkpoint {str(self.model_dir)!r} is missing tensors for: {', '.join(missing[:8])}"
                               + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""))
         return captured
+
+
+class GGUFLoader(WeightLoader):
+    """A WeightLoader over one GGUF file: its tensors under HF names, each dequantized as it is read."""
+
+    def __init__(self, checkpoint: GGUFCheckpoint, show_progress: bool = True) -> None:
+        self.model_dir = checkpoint.path
+        self.show_progress = show_progress
+        self.checkpoint = checkpoint
+        self.entries = {}
+        self.files = {name: checkpoint.path for name in checkpoint.tensors}
+
+    def entry(self, name: str) -> TensorEntry:
+        raise WeightError(f"{self.model_dir}: tensor {name!r} is GGUF-encoded and has no raw byte range")
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.checkpoint.read(name, torch.float32)
+
+    def read_into(self, name: str, dest: torch.Tensor) -> None:
+        shape = self.checkpoint.shape(name)
+        if shape != tuple(dest.shape):
+            raise WeightError(f"tensor {name!r} has shape {shape}, expected {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(self.checkpoint.read(name, dest.dtype))
+
+
+def open_weights(model_dir: str | Path, show_progress: bool = True) -> tuple[dict, WeightLoader]:
+    """A model's config.json dict and a loader for its tensors: an HF directory's safetensors, or a GGUF file."""
+    gguf = find_gguf(model_dir)
+    if gguf is None:
+        return read_hf_config(model_dir), WeightLoader(model_dir, show_progress)
+    checkpoint = open_checkpoint(gguf)
+    return dict(checkpoint.hf_config), GGUFLoader(checkpoint, show_progress)

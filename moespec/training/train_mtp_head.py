@@ -79,7 +79,9 @@ def precompute_hidden(target: nn.Module, windows: torch.Tensor, batch_size: int 
 def cached_hidden(target_dir: Path, target: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """precompute_hidden, cached by the target's weights and the windows."""
     digest = hashlib.sha1()
-    for file in sorted(Path(target_dir).glob("*.safetensors")):
+    target = Path(target_dir)
+    files = [target] if target.is_file() else sorted(target.glob("*.safetensors")) + sorted(target.glob("*.gguf"))
+    for file in files:
         digest.update(file.read_bytes())
     digest.update(windows.numpy().tobytes())
     path = cache_dir().parent / "hidden" / f"{digest.hexdigest()[:16]}.pt"
