@@ -654,7 +654,11 @@ class Engine:
                 seq.output_ids += [PENDING] * later
             updated.append(seq)
         host_s = flight.prepared.host_s + time.perf_counter() - start
-        self.record(flight.prepared, host_s, device_s, time.perf_counter() - call_start)
+        wall_s = time.perf_counter() - call_start
+        self.record(flight.prepared, host_s, device_s, wall_s)
+        if flight.prepared.batch.mode == "decode" and self.speculator.max_tokens:  # a plain decode step, measured
+            self.policy.record(len(flight.prepared.sampled), 0, 1.0, wall_s)
+            self.ran_plain = True
         return EngineOutputs(updated)
 
     # ------------------------------------------------------------------ scheduling
@@ -867,6 +871,7 @@ class Engine:
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
+        self.policy.accept(choice, num_accepted)
         # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
         if steady or not self.ran_plain:
             self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
