@@ -117,3 +117,36 @@ def test_predicts_a_length_never_run_from_per_position_acceptance():
     tokens, _ = policy.acceptance.tokens(3)
     assert tokens == pytest.approx(1 + sum(HIGH), abs=0.1)
     assert policy.acceptance.tokens(1)[0] == pytest.approx(1 + HIGH[0], abs=0.05)
+
+
+def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
+    """/metrics' policy gauges, read back with prometheus_client's own parser, from an engine
+    that ran adaptive MTP: one choice per bucket, the policy's leader, with predicted and
+    measured tokens/s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moespec.llm import LLM
+    from moespec.sampling import SamplingParams
+    from moespec.server.metrics import ServerMetrics
+    from test_speculation import prompts
+
+    llm = LLM(model=deepseek_mtp, speculation={"mode": "mtp", "num_speculative_tokens": 2, "adaptive": True},
+              page_size=4, num_kv_pages=256, max_num_seqs=4)
+    llm.generate(prompts([5, 9, 12, 7], seed=3), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                 use_tqdm=False)
+    metrics = ServerMetrics()
+    metrics.observe_engine(llm.engine)
+    samples = [s for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples]
+    report = llm.engine.policy.report()
+    assert 4 in report and report[4]["steps"] > 0
+    for bucket, state in report.items():
+        chosen = [s.labels["choice"] for s in samples
+                  if s.name == "moespec_spec_policy_choice" and s.labels["bucket"] == str(bucket) and s.value == 1]
+        assert chosen == [str(state["choice"])]
+        rates = {(s.labels["choice"], s.labels["source"]): s.value for s in samples
+                 if s.name == "moespec_spec_policy_tokens_per_second" and s.labels["bucket"] == str(bucket)}
+        assert {c for c, source in rates if source == "measured"} == {str(c) for c in state["measured"]}
+        assert all(rate > 0 for rate in rates.values())
+    assert {c for c, source in rates if source == "predicted"} == {"0", "1", "2"}  # the last bucket run
+    explored = [s.value for s in samples if s.name == "moespec_spec_policy_explore_steps"]
+    assert explored == [llm.engine.policy.explore_total] and explored[0] >= 6  # the first steps: 2 per candidate
