@@ -57,7 +57,7 @@ Choice = int | TreeShape  # a chain's draft length (0: none) or a tree
 
 @dataclass
 class Measure:
-    tokens_per_step: float = 0.0  # per request
+    tokens_per_step: float = 0.0  # the policy: all requests of the step (its rate: tokens/s)
     seconds: float = 0.0
     count: int = 0
 
