@@ -161,6 +161,16 @@ def policy_steps(policy) -> tuple[int, int]:
     return sum(policy.steps.values()), policy.explore_total
 
 
+def policy_report(policy) -> dict:
+    """Adaptive speculation per batch-size bucket at the end of the runs: the choice, steps,
+    exploration steps, predicted and measured tokens/s per choice (a tree by its shape)."""
+    label = lambda choice: getattr(choice, "label", str(choice))  # noqa: E731
+    return {str(bucket): {"choice": label(state["choice"]), "steps": state["steps"], "explored": state["explored"],
+                          **{source: {label(c): rate for c, rate in state[source].items()}
+                             for source in ("predicted", "measured")}}
+            for bucket, state in policy.report().items()}
+
+
 def hidden_share(busy: float, wall: float) -> float:
     """Share of host + device time (`busy`) that ran beside the device: 0 for serial steps."""
     return (busy - wall) / busy if busy else 0.0
@@ -339,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
             if suffix and label != "none" + suffix and "none" + suffix in runs:
                 # against plain decoding with the same switches (compiled speculation against compiled decoding)
                 row["speedup_same_switches"] = summarize_runs(rows, runs["none" + suffix])["speedup"]
-            row.update(batch=batch, compile_s=compile_s[label])
+            row.update(batch=batch, compile_s=compile_s[label], policy=policy_report(engines[label].engine.policy))
             results[label].append(row)
             logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
                         "cached prompt share %.3f  step %.2f ms  host hidden %.0f%%", batch, label,
