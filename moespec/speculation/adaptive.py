@@ -302,15 +302,8 @@ class SpeculationPolicy:
         predictions = {c: self.predict(batch_size, c) for c in choices}
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, predictions)
-        run = self.runs.get(bucket)
-        if run is not None and run[1] > 0 and run[0] in predictions:
-            self.runs[bucket] = (run[0], run[1] - 1)
-            return self.explore(bucket, run[0])
         probe = self.probe(bucket, leader, predictions)
-        if probe is None:
-            return leader
-        self.runs[bucket] = (probe, self.explore_steps - 1)
-        return self.explore(bucket, probe)
+        return leader if probe is None else self.explore(bucket, probe)
 
     def explore(self, bucket: int, choice: Choice) -> Choice:
         self.explored[bucket] = self.explored.get(bucket, 0) + 1
@@ -333,14 +326,23 @@ class SpeculationPolicy:
         return fastest if fastest and rate[fastest] > (1 + self.margin) * rate[leader] else leader
 
     def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction]) -> Choice | None:
-        """The choice to measure next: of those that could beat the leader within their error,
-        the most promising, if a run of it keeps exploration within its share of the bucket's steps."""
+        """The choice to measure this step: the next step of a run under way (unless its choice
+        leads now), or the first of a new run: of the choices that could beat the leader within
+        their error, the most promising, if the run keeps exploration within its share of the
+        bucket's steps."""
+        choice, left = self.runs.pop(bucket, (None, 0))
+        if left > 0 and choice != leader and choice in predictions:
+            self.runs[bucket] = (choice, left - 1)
+            return choice
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
         best = predictions[leader].rate
         hopeful = [c for c, p in predictions.items() if c != leader and p.optimistic > best]
-        return max(hopeful, key=lambda c: predictions[c].optimistic, default=None)
+        choice = max(hopeful, key=lambda c: predictions[c].optimistic, default=None)
+        if choice is not None:
+            self.runs[bucket] = (choice, self.explore_steps - 1)
+        return choice
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:
