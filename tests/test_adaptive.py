@@ -105,7 +105,7 @@ def test_follows_a_shift_in_acceptance():
     assert fallen[40:].count(0) >= 0.97 * len(fallen[40:]) and policy.leaders[8] == 0
     risen = sim.run(8, 600, HIGH)
     back = next(i for i in range(len(risen)) if all(k > 0 for k in risen[i:i + 50]))
-    assert back < 400 and policy.leaders[8] in (1, 2)
+    assert back < 400 and policy.leaders[8] != 0  # k=1..3 are within 5% of each other here
     assert policy.explored[8] <= 0.02 * policy.steps[8]
 
 
@@ -150,3 +150,15 @@ def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
     assert {c for c, source in rates if source == "predicted"} == {"0", "1", "2"}  # the last bucket run
     explored = [s.value for s in samples if s.name == "moespec_spec_policy_explore_steps"]
     assert explored == [llm.engine.policy.explore_total] and explored[0] >= 6  # the first steps: 2 per candidate
+
+
+def test_step_cost_fit_discounts_a_burst_of_slow_steps():
+    """A few steps taken while the machine was 5x slower (a shared machine's burst of load) move
+    the fitted step time by little: it stays within 5% of the steady steps' (a plain mean: +19%)."""
+    from moespec.speculation.adaptive import StepCosts
+    rng, costs = random.Random(1), StepCosts()
+    steady = [seconds(32, 0) * (1 + 0.03 * rng.gauss(0, 1)) for _ in range(60)]
+    for i, s in enumerate(steady):
+        costs.add(32, 0, 5 * s if i in (3, 4, 5) else s)
+    predicted, _ = costs.predict(32, 0)
+    assert predicted == pytest.approx(seconds(32, 0), rel=0.05)

@@ -157,19 +157,28 @@ class StepCosts:
         seconds = max(float(x @ theta), floor)
         return seconds, math.sqrt(noise * float(x @ inverse @ x))
 
+    def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Coefficients [F] and the inverse normal matrix [F, F]; no ridge on the intercept."""
+        penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
+        penalty[0] = 1e-9
+        inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
+        return inverse @ ((x * w[:, None]).T @ y), inverse
+
     def fit(self, buckets: dict[int, Samples], where: int) -> tuple:
-        """Weighted ridge least squares (no ridge on the intercept): the coefficients, the inverse
+        """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
         normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
         of the cheapest step seen)."""
         parts = [(*samples.filled(), abs(b - where)) for b, samples in buckets.items()]
         x = np.concatenate([p[0] for p in parts])  # [N, F]
         y = np.concatenate([p[1] for p in parts])  # [N]
         w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
-        penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
-        penalty[0] = 1e-9
-        normal = (x * w[:, None]).T @ x + np.diag(penalty)
-        inverse = np.linalg.inv(normal)
-        theta = inverse @ ((x * w[:, None]).T @ y)
+        theta, inverse = self.solve(x, y, w)
+        residual = y - x @ theta
+        # one reweighting pass (Huber): a step taken in a burst of load on a shared machine
+        # weighs as if it were 2.5 robust deviations off, not its full distance
+        scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
+        w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
+        theta, inverse = self.solve(x, y, w)
         residual = y - x @ theta
         dof = max(w.sum() - x.shape[1], 1.0)
         mean = float((w * y).sum() / w.sum())
