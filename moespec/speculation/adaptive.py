@@ -9,7 +9,8 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
 
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
   (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
-  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`. Samples weigh less the
+  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
+  taken in a burst of load) reweighted once. Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
