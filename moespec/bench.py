@@ -14,7 +14,8 @@ until the last wave drains (--max-tokens-spread varies output lengths, so that r
 finish at different steps without speculation, as in serving). The modes take turns (the
 order rotates each repeat) until each has run max(--num-prompts, waves x b) prompts,
 `repeats` times. Reported per mode and batch size, from its fastest repeat: output tokens/s,
-mean TTFT and TPOT, accept length and per-position acceptance; and its speedup over `none`
+mean TTFT and TPOT, accept length and per-position acceptance, the steps adaptive speculation
+chose and how many of them it spent exploring (explore_steps); and its speedup over `none`
 as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for the spread:
 shared CPU machines drift by 10-20% within a minute (a variant such as `mtp:2/compiled` also
 gets its speedup over `none/compiled`, speedup_same_switches). With --hf-assisted, transformers' plain
@@ -137,6 +138,7 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
     on each chunk, so a slow phase of the machine falls on all of them alike."""
     before = {label: snapshot(llm.engine.spec_stats) for label, llm in engines.items()}
     steps_before = {label: step_times(llm.engine.stats) for label, llm in engines.items()}
+    policy_before = {label: policy_steps(llm.engine.policy) for label, llm in engines.items()}
     seconds = dict.fromkeys(order, 0.0)
     outs: dict[str, list] = {label: [] for label in order}
     for i in range(0, len(prompts), chunk):
@@ -149,7 +151,24 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
     for label in order:
         steps, busy, wall = (b - a for a, b in zip(steps_before[label], step_times(engines[label].engine.stats)))
         rows[label].update(step_ms=1e3 * wall / max(steps, 1), host_hidden_share=hidden_share(busy, wall))
+        chosen, explored = (b - a for a, b in zip(policy_before[label], policy_steps(engines[label].engine.policy)))
+        rows[label].update(policy_steps=chosen, explore_steps=explored)
     return rows
+
+
+def policy_steps(policy) -> tuple[int, int]:
+    """Steps adaptive speculation chose, and those of them that ran a choice to measure it."""
+    return sum(policy.steps.values()), policy.explore_total
+
+
+def policy_report(policy) -> dict:
+    """Adaptive speculation per batch-size bucket at the end of the runs: the choice, steps,
+    exploration steps, predicted and measured tokens/s per choice (a tree by its shape)."""
+    label = lambda choice: getattr(choice, "label", str(choice))  # noqa: E731
+    return {str(bucket): {"choice": label(state["choice"]), "steps": state["steps"], "explored": state["explored"],
+                          **{source: {label(c): rate for c, rate in state[source].items()}
+                             for source in ("predicted", "measured")}}
+            for bucket, state in policy.report().items()}
 
 
 def hidden_share(busy: float, wall: float) -> float:
@@ -330,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
             if suffix and label != "none" + suffix and "none" + suffix in runs:
                 # against plain decoding with the same switches (compiled speculation against compiled decoding)
                 row["speedup_same_switches"] = summarize_runs(rows, runs["none" + suffix])["speedup"]
-            row.update(batch=batch, compile_s=compile_s[label])
+            row.update(batch=batch, compile_s=compile_s[label], policy=policy_report(engines[label].engine.policy))
             results[label].append(row)
             logger.info("batch %d %-8s %8.1f tok/s  speedup %s (runs %s)  accept length %s  TTFT %.1f ms  "
                         "cached prompt share %.3f  step %.2f ms  host hidden %.0f%%", batch, label,
@@ -338,6 +357,10 @@ def run(args: argparse.Namespace) -> int:
                         ", ".join(f"{x:.2f}" for x in row["speedup_runs"] or []),
                         f"{row['accept_length']:.2f}" if row["accept_length"] else "-", row["ttft_ms"],
                         row["cached_prompt_share"], row["step_ms"], 100 * row["host_hidden_share"])
+            if any(r["policy_steps"] for r in rows):
+                logger.info("batch %d %-8s adaptive: %d of %d steps explored (runs %s)", batch, label,
+                            sum(r["explore_steps"] for r in rows), sum(r["policy_steps"] for r in rows),
+                            ", ".join(str(r["explore_steps"]) for r in rows))
             if row["tree_accept_lengths"]:
                 logger.info("batch %d %-8s accept length per tree shape: %s (tree steps %.0f%%)", batch, label,
                             ", ".join(f"{k} {v:.2f}" for k, v in row["tree_accept_lengths"].items()),

@@ -236,5 +236,9 @@ class OverlapDriver:
                 seq.output_ids += [PENDING] * later
             updated.append(seq)
         host_s = flight.prepared.host_s + time.perf_counter() - start
-        self.engine.record(flight.prepared, host_s, device_s, time.perf_counter() - call_start)
+        wall_s = time.perf_counter() - call_start
+        self.engine.record(flight.prepared, host_s, device_s, wall_s)
+        if flight.prepared.batch.mode == "decode" and self.speculator.max_tokens:  # a plain decode step, measured
+            self.engine.policy.record(len(flight.prepared.sampled), 0, 1.0, wall_s)
+            self.verifier.ran_plain = True
         return EngineOutputs(updated)

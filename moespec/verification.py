@@ -116,6 +116,7 @@ class SpeculativeSteps:
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
+        self.policy.accept(choice, num_accepted)
         # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
         if steady or not self.ran_plain:
             self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)

@@ -31,6 +31,8 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     assert all(r["compile_s"] > 0 and r["tok_s"] > 0 for rows in graphs.values() for r in rows)
     assert all("speedup_same_switches" in r for r in graphs["draft:2/graph"])
     assert all(r["compile_s"] == 0 for rows in report["results"].values() for r in rows)
+    assert all(r["policy_steps"] == r["explore_steps"] == 0 and r["policy"] == {}
+               for rows in report["results"].values() for r in rows)
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
         # at least 3 prompts, in turns of 2 x batch size: 4 prompts at batch 1 and at batch 2

@@ -5,6 +5,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from moespec.engine import Engine
 from moespec.sequence import Sequence
+from moespec.speculation.adaptive import Choice, SpeculationPolicy
+from moespec.speculation.tree import TreeShape
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
@@ -43,6 +45,17 @@ class ServerMetrics:
         self.draft_tokens = Gauge("moespec_spec_draft_tokens", "Draft tokens proposed since start", registry=r)
         self.accepted_tokens = Gauge("moespec_spec_accepted_tokens", "Draft tokens accepted since start",
                                      registry=r)
+        self.policy_choice = Gauge("moespec_spec_policy_choice",
+                                   "1 for the choice adaptive speculation runs at a batch-size bucket (0: plain "
+                                   "decoding, k: a chain of k drafts, a tree: its shape), 0 for the others",
+                                   ["bucket", "choice"], registry=r)
+        self.policy_rate = Gauge("moespec_spec_policy_tokens_per_second",
+                                 "Output tokens/s of each choice at a batch-size bucket: as the adaptive policy "
+                                 "predicts it and as measured (recent steps that ran it there)",
+                                 ["bucket", "choice", "source"], registry=r)
+        self.policy_explore = Gauge("moespec_spec_policy_explore_steps",
+                                    "Steps that ran a speculation choice to measure it rather than because it was "
+                                    "predicted fastest", registry=r)
         self.rank_running = Gauge("moespec_rank_requests_running", "Sequences in a rank's running batch", ["rank"],
                                   registry=r)
         self.rank_waiting = Gauge("moespec_rank_requests_waiting", "Sequences waiting on a rank", ["rank"],
@@ -86,6 +99,7 @@ class ServerMetrics:
         self.kv_usage.set(engine.allocator.usage())
         self.kv_free.set(engine.allocator.num_free)
         self.observe_ranks(engine)
+        self.observe_policy(engine.policy)
         spec = engine.spec_stats
         if spec.steps:
             self.accept_length.set(spec.accept_length)
@@ -95,6 +109,19 @@ class ServerMetrics:
                 self.acceptance.labels(position=str(position)).set(rate)
             for shape, length in spec.tree_accept_lengths().items():
                 self.tree_accept_length.labels(shape=shape).set(length)
+
+    def observe_policy(self, policy: SpeculationPolicy) -> None:
+        """Adaptive speculation per batch-size bucket: what runs, predicted and measured tokens/s."""
+        if not policy.adaptive:
+            return
+        self.policy_explore.set(policy.explore_total)
+        for bucket, state in policy.report().items():
+            for choice in {state["choice"], *state["predicted"], *state["measured"]}:
+                labels = {"bucket": str(bucket), "choice": choice_label(choice)}
+                self.policy_choice.labels(**labels).set(int(choice == state["choice"]))
+            for source in ("predicted", "measured"):
+                for choice, rate in state[source].items():
+                    self.policy_rate.labels(bucket=str(bucket), choice=choice_label(choice), source=source).set(rate)
 
     def observe_ranks(self, engine: Engine) -> None:
         loads = engine.rank_loads()
@@ -108,3 +135,7 @@ class ServerMetrics:
             self.rank_waiting.labels(rank=label).set(load.waiting)
             self.rank_kv_usage.labels(rank=label).set(load.kv_usage)
             self.rank_kv_free.labels(rank=label).set(load.free_pages)
+
+
+def choice_label(choice: Choice) -> str:
+    return choice.label if isinstance(choice, TreeShape) else str(choice)

@@ -1,35 +1,55 @@
 """How many tokens to draft this step, so that speculation never runs slower than none.
 
 A config table maps batch size to k (the largest key <= batch size applies; 0 turns
-speculation off). With `adaptive: true` the table's k is the most a step drafts: per
-batch-size bucket the engine measures the tokens each request gains per step and the step's
-wall time for a few lengths up to it (0, 1, 2, 4, ... and k itself) and drafts the length that
-gives the most tokens per second, re-measuring the others now and then. Longer drafts pay
-where acceptance is high and verification cheap (small batches); shorter ones, or none, where
-verification costs more than the accepted tokens bring (large batches, low acceptance).
+speculation off). With `adaptive: true` the table's k is the most a step drafts, and per
+batch-size bucket (1, 2, 4, ...) the policy runs the choice it predicts to give the most tokens
+per second: plain decoding, a chain of k or of a power of two below it, or a draft tree.
 
-A length takes the lead only when it measures `margin` (5% by default) faster than the
-leader, and plain decoding takes it back as soon as it is at least as fast: within the margin
-the lengths are equal as far as a noisy step-time measurement can tell, switching back and
-forth costs catch-up steps, and plain decoding has no catch-up steps and no tail of requests
-finishing at different steps, which these measurements miss.
-A speculative step in which the draft first catches up on the tokens of plain decode steps
-costs more than the steady state and is what switching costs, so it is not recorded, and a
-re-measurement runs `explore_steps` steps in a row. Its interval doubles, from
-`explore_every` up to 16x, each time the leader stays the leader. A re-measurement skips the
-choices that measured more than `prune` (25%) slower than the leader, except every fourth one:
-with trees and chains there are many choices, and re-measuring far slower ones costs steps. A catch-up on a new
-request's prompt, or on the token of a step that mixed decodes with a prefill chunk, is
-recorded: plain decoding never pays it, and under traffic where requests come and go it
-recurs, so it belongs to what speculating costs.
+    tokens/s of choice c at batch B = B * E_c / seconds_c(B)
 
-Draft trees (`speculation.tree`) join the lengths as further choices: a step runs a chain of
-some length, a tree shape, or nothing, and the shapes are measured like the lengths. A fixed
-tree without `adaptive` runs wherever the table says to speculate.
+- seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
+  (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
+  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
+  taken in a burst of load) reweighted once. Samples weigh less the
+  further their bucket is from the one predicted (a quarter per doubling) and the older they
+  are, so the fit is local where there is data and a line across buckets where there is not:
+  a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
+  a family measured at one batch size only extrapolates flat from it.
+- E_c, tokens per request per step: 1 for plain decoding; for a chain of k, 1 + sum over
+  positions i <= k of P(a >= i), a the drafts a request's verify accepted, counted per position
+  from recent verify steps whatever length ran (`Acceptance`), so a length never run is
+  predicted from the others; a tree's own recent mean. Counts decay per policy step, so the
+  estimate follows a workload whose acceptance shifts, and while plain decoding runs the
+  uncertainty of a speculative choice grows until it is worth measuring again.
+
+Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
+than the leader runs only where its optimistic rate (2 standard errors up) beats the leader's,
+`explore_steps` steps in a row (a switch from plain decoding starts with a catch-up step,
+which is not recorded), and only while exploration stays within `explore_share` (2%) of the
+bucket's steps, so at a batch size where plain decoding is predicted to win, speculating to
+find out costs at most that. Before any prediction exists, each candidate runs `min_samples`
+steps once (the first bucket the engine meets; others are predicted from it).
+
+The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
+over as soon as it is predicted at least as fast: within the margin the choices are equal as
+far as noisy step times can tell, and plain decoding has no catch-up steps and no tail of
+requests finishing at different steps, which the step times miss.
+
+What the engine feeds in: `record` per measured step (batch size, the choice that ran, tokens
+per request, seconds; a speculative step that first caught up on plain decode steps measures
+switching, not speculating, and is left out), and `accept` per verify step (each request's
+accepted drafts). Across ranks each rank's policy chooses from its own measurements and the
+step agreement runs the shortest length any rank asks for (`moespec.distributed.decide`).
+
+Draft trees (`speculation.tree`) join the lengths as further choices. A fixed tree without
+`adaptive` runs wherever the table says to speculate.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from moespec.speculation.tree import TreeShape
 
@@ -38,7 +58,7 @@ Choice = int | TreeShape  # a chain's draft length (0: none) or a tree
 
 @dataclass
 class Measure:
-    tokens_per_step: float = 0.0  # per request
+    tokens_per_step: float = 0.0  # the policy: all requests of the step (its rate: tokens/s)
     seconds: float = 0.0
     count: int = 0
 
@@ -55,23 +75,203 @@ class Measure:
         return self.tokens_per_step / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Prediction:
+    rate: float  # tokens per second, all requests of the batch
+    error: float  # its standard error relative to the rate
+
+    @property
+    def optimistic(self) -> float:
+        return self.rate * (1 + 2 * self.error)
+
+
+def family(choice: Choice) -> str | TreeShape:
+    return choice if isinstance(choice, TreeShape) else "chain" if choice else "plain"
+
+
+def features(choice: Choice, batch_size: int) -> list[float]:
+    """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike."""
+    b = batch_size / 16
+    if isinstance(choice, int) and choice:
+        return [1.0, float(choice), b, b * choice]
+    return [1.0, b]
+
+
+class Samples:
+    """One family's recent steps at one bucket, in a ring buffer: features and seconds."""
+
+    def __init__(self, window: int, width: int) -> None:
+        self.x = np.zeros((window, width))  # [N, F]
+        self.y = np.zeros(window)  # [N]
+        self.added = 0
+
+    def add(self, x: list[float], y: float) -> None:
+        i = self.added % len(self.y)
+        self.x[i], self.y[i] = x, y
+        self.added += 1
+
+    def filled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Features [N, F], seconds [N] and each sample's age in samples of this bucket [N]."""
+        n, window = min(self.added, len(self.y)), len(self.y)
+        ages = (self.added - 1 - np.arange(n)) % window
+        return self.x[:n], self.y[:n], ages
+
+
+class StepCosts:
+    """Seconds per step, per family, as a weighted least-squares fit over its recent samples
+    (the last `window` per bucket: a bucket's samples make way only for newer ones of it)."""
+
+    def __init__(self, window: int = 128, half_life: float = 64.0, locality: float = 0.25,
+                 ridge: float = 0.1, noise_floor: float = 0.02, refit_every: int = 8) -> None:
+        self.window, self.half_life, self.locality = window, half_life, locality
+        self.ridge, self.noise_floor, self.refit_every = ridge, noise_floor, refit_every
+        self.samples: dict[object, dict[int, Samples]] = {}  # family -> log2 bucket -> its steps
+        self.added: dict[object, int] = {}  # family -> samples so far
+        self.counts: dict[Choice, int] = {}
+        # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
+        self.fits: dict[tuple[object, int], list] = {}
+
+    def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
+        x, key = features(choice, batch_size), family(choice)
+        buckets = self.samples.setdefault(key, {})
+        buckets.setdefault(log2_bucket(batch_size), Samples(self.window, len(x))).add(x, seconds)
+        self.added[key] = self.added.get(key, 0) + 1
+        self.counts[choice] = self.counts.get(choice, 0) + 1
+
+    def count(self, choice: Choice) -> int:
+        return self.counts.get(choice, 0)
+
+    def predict(self, batch_size: int, choice: Choice) -> tuple[float, float] | None:
+        """Seconds of one step and its standard error; None before the family has a sample. A fit
+        is redone after a new sample, at most once per `refit_every` predictions or samples."""
+        key = family(choice)
+        if key not in self.samples:
+            return None
+        where, added = log2_bucket(batch_size), self.added[key]
+        cached = self.fits.get((key, where))
+        if cached is None or (added > cached[0] and (cached[1] >= self.refit_every
+                                                     or added - cached[0] >= self.refit_every)):
+            cached = self.fits[key, where] = [added, 0, self.fit(self.samples[key], where)]
+        cached[1] += 1
+        theta, inverse, noise, floor = cached[2]
+        x = np.array(features(choice, batch_size))
+        seconds = max(float(x @ theta), floor)
+        return seconds, math.sqrt(noise * float(x @ inverse @ x))
+
+    def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Coefficients [F] and the inverse normal matrix [F, F]; no ridge on the intercept."""
+        penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
+        penalty[0] = 1e-9
+        inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
+        return inverse @ ((x * w[:, None]).T @ y), inverse
+
+    def fit(self, buckets: dict[int, Samples], where: int) -> tuple:
+        """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
+        normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
+        of the cheapest step seen)."""
+        parts = [(*samples.filled(), abs(b - where)) for b, samples in buckets.items()]
+        x = np.concatenate([p[0] for p in parts])  # [N, F]
+        y = np.concatenate([p[1] for p in parts])  # [N]
+        w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
+        theta, inverse = self.solve(x, y, w)
+        residual = y - x @ theta
+        # one reweighting pass (Huber): a step taken in a burst of load on a shared machine
+        # weighs as if it were 2.5 robust deviations off, not its full distance
+        scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
+        w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
+        theta, inverse = self.solve(x, y, w)
+        residual = y - x @ theta
+        dof = max(w.sum() - x.shape[1], 1.0)
+        mean = float((w * y).sum() / w.sum())
+        noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
+        return theta, inverse, noise, 0.25 * float(y.min())
+
+
+def log2_bucket(batch_size: int) -> int:
+    return (batch_size - 1).bit_length()
+
+
+@dataclass
+class Mean:
+    """A mean over samples whose weight decays (the mean stays as their weight goes)."""
+
+    mean: float = 0.0
+    square: float = 0.0  # mean of squares
+    weight: float = 0.0
+
+    def add(self, total: float, squares: float, count: float) -> None:
+        self.weight += count
+        self.mean += (total - count * self.mean) / self.weight
+        self.square += (squares - count * self.square) / self.weight
+
+    def error(self, least_variance: float) -> float:
+        """Standard error of the mean, with each sample's variance at least `least_variance`."""
+        return math.sqrt(max(self.square - self.mean ** 2, least_variance) / (self.weight + 1))
+
+
+class Acceptance:
+    """Tokens per request per step of each choice, from recent verify steps: per chain position
+    i, the share of requests that drafted it and accepted it (with all before it); per tree (and
+    per chain length where positions are not counted), its mean. Every policy step multiplies the
+    weight of what was counted by `decay`: the means follow a shift, their errors grow."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.positions: list[Mean] = []  # [K] P(a > i) among requests that drafted position i
+        self.steps: dict[Choice, Mean] = {}  # choice -> tokens per request per step
+
+    def tick(self) -> None:
+        for mean in (*self.positions, *self.steps.values()):
+            mean.weight *= self.decay
+
+    def add_verify(self, k: int, num_accepted: list[int]) -> None:
+        self.positions += [Mean() for _ in range(k - len(self.positions))]
+        for i in range(k):
+            accepted = sum(a > i for a in num_accepted)
+            self.positions[i].add(accepted, accepted, len(num_accepted))
+
+    def add_step(self, choice: Choice, tokens: float, requests: int) -> None:
+        self.steps.setdefault(choice, Mean()).add(tokens * requests, tokens ** 2 * requests, requests)
+
+    def tokens(self, choice: Choice) -> tuple[float, float] | None:
+        """Mean tokens per request per step and its standard error; None without data."""
+        if choice == 0:
+            return 1.0, 0.0
+        if isinstance(choice, int) and len(self.positions) >= choice:
+            return self.chain_tokens(choice)
+        mean = self.steps.get(choice)
+        if mean is None:
+            return None
+        return mean.mean, mean.error(0.25)  # a request's tokens vary by at least half a token
+
+    def chain_tokens(self, k: int) -> tuple[float, float]:
+        """1 + sum_i P(a > i); errors summed (the positions' estimates share their requests)."""
+        positions = self.positions[:k]
+        return 1 + sum(p.mean for p in positions), sum(p.error(0.05) for p in positions)
+
+    def by_position(self) -> list[float]:
+        return [p.mean for p in self.positions]
+
+
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
-                 explore_every: int = 32, explore_steps: int = 4, min_samples: int = 2, margin: float = 0.05,
-                 trees: tuple[TreeShape, ...] = (), prune: float = 0.25) -> None:
+                 explore_share: float = 0.02, explore_steps: int = 3, min_samples: int = 2,
+                 margin: float = 0.05, trees: tuple[TreeShape, ...] = (), accept_decay: float = 0.98) -> None:
         self.max_tokens = max_tokens
         self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
-        self.explore_every, self.explore_steps, self.min_samples = explore_every, explore_steps, min_samples
-        self.margin, self.prune = margin, prune
-        self.measures: dict[tuple[int, Choice], Measure] = {}
-        self.steps: dict[int, int] = {}
-        self.intervals: dict[int, int] = {}  # bucket -> steps between re-measurements
-        self.leaders: dict[int, Choice] = {}  # bucket -> the choice that won the last comparison
-        self.next_explore: dict[int, int] = {}  # bucket -> step of the next re-measurement
-        self.exploring: dict[int, list[Choice]] = {}  # bucket -> what the current re-measurement runs
-        self.rounds: dict[int, int] = {}  # bucket -> re-measurements done
+        self.explore_share, self.explore_steps, self.min_samples = explore_share, explore_steps, min_samples
+        self.margin = margin
+        self.costs = StepCosts()
+        self.acceptance = Acceptance(accept_decay)
+        self.measures: dict[tuple[int, Choice], Measure] = {}  # (bucket, choice) -> measured, for /metrics
+        self.steps: dict[int, int] = {}  # bucket -> steps the policy chose
+        self.explored: dict[int, int] = {}  # bucket -> ... of them to measure a choice, not to run the leader
+        self.first_steps = 0  # steps that measured every candidate before any prediction (once)
+        self.leaders: dict[int, Choice] = {}  # bucket -> the choice predicted fastest
+        self.predicted: dict[int, dict[Choice, float]] = {}  # bucket -> choice -> tokens/s, at the last step
+        self.runs: dict[int, tuple[Choice, int]] = {}  # bucket -> (choice, steps left) of an exploration
 
     def table_k(self, batch_size: int) -> int:
         k = self.max_tokens
@@ -90,6 +290,11 @@ class SpeculationPolicy:
         lengths = sorted({k, 0} | {1 << i for i in range(k.bit_length()) if 1 << i < k}, reverse=True)
         return list(self.trees) + lengths
 
+    @property
+    def explore_total(self) -> int:
+        """Steps that ran a choice to measure it rather than because it was predicted fastest."""
+        return self.first_steps + sum(self.explored.values())
+
     def choose(self, batch_size: int) -> Choice:
         k = self.table_k(batch_size)
         if k == 0:
@@ -97,48 +302,75 @@ class SpeculationPolicy:
         if not self.adaptive:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
-        step = self.steps.get(bucket, 0)
-        self.steps[bucket] = step + 1
-        lengths = self.candidates(k)
-        for length in lengths:  # first measure every length once
-            measure = self.measures.get((bucket, length))
-            if measure is None or measure.count < self.min_samples:
-                return length
-        best = self.best(bucket, lengths)
-        if self.leaders.get(bucket) != best:  # the lead changed: re-measure soon
-            self.leaders[bucket], self.intervals[bucket] = best, self.explore_every
-            self.next_explore[bucket] = step + self.explore_every
-        since = step - self.next_explore[bucket]
-        if since < 0:
-            return best
-        if since == 0:  # a re-measurement starts
-            self.exploring[bucket] = self.worth_exploring(bucket, best, lengths)
-        others = self.exploring.get(bucket, [])
-        if since < self.explore_steps * len(others):  # each of them, explore_steps in a row
-            return others[since // self.explore_steps]
-        interval = min(2 * self.intervals[bucket], 16 * self.explore_every)
-        self.intervals[bucket], self.next_explore[bucket] = interval, step + interval
-        self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        return best
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        self.acceptance.tick()
+        choices = self.candidates(k)
+        unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
+        if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
+            self.first_steps += 1
+            return unmeasured[0]
+        predictions = {c: self.predict(batch_size, c) for c in choices}
+        self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
+        leader = self.leaders[bucket] = self.lead(bucket, predictions)
+        probe = self.probe(bucket, leader, predictions)
+        return leader if probe is None else self.explore(bucket, probe)
 
-    def worth_exploring(self, bucket: int, best: Choice, lengths: list[Choice]) -> list[Choice]:
-        """The choices a re-measurement runs: those within `prune` of the leader's rate, and every
-        fourth time all of them (a far slower choice is re-measured rarely, never not at all)."""
-        everything = self.rounds.get(bucket, 0) % 4 == 3
-        floor = (1 - self.prune) * self.measures[bucket, best].rate
-        return [c for c in lengths if c != best and (everything or self.measures[bucket, c].rate >= floor)]
+    def explore(self, bucket: int, choice: Choice) -> Choice:
+        self.explored[bucket] = self.explored.get(bucket, 0) + 1
+        return choice
 
-    def best(self, bucket: int, lengths: list[Choice]) -> Choice:
-        """The length to run: the leader stays unless another beats it by the margin, except
-        that plain decoding takes over as soon as it measures at least as fast as speculating."""
-        rate = {length: self.measures[bucket, length].rate for length in lengths}
+    def predict(self, batch_size: int, choice: Choice) -> Prediction:
+        seconds, seconds_error = self.costs.predict(batch_size, choice)
+        tokens = self.acceptance.tokens(choice) or (1.0, 1.0)  # a choice without counts: anything from 1 token
+        error = math.hypot(seconds_error / seconds, tokens[1] / tokens[0])
+        return Prediction(batch_size * tokens[0] / seconds, error)
+
+    def lead(self, bucket: int, predictions: dict[Choice, Prediction]) -> Choice:
+        """The leader stays unless another is predicted `margin` faster, except that plain
+        decoding takes over as soon as it is predicted at least as fast as speculating."""
+        rate = {c: p.rate for c, p in predictions.items()}
         leader = self.leaders.get(bucket, 0)
         if leader not in rate or (leader and rate[0] >= rate[leader]):
             leader = 0
-        fastest = max((length for length in lengths if length), key=rate.get)
-        return fastest if rate[fastest] > (1 + self.margin) * rate[leader] else leader
+        fastest = max((c for c in rate if c != 0), key=rate.get, default=0)
+        return fastest if fastest and rate[fastest] > (1 + self.margin) * rate[leader] else leader
+
+    def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction]) -> Choice | None:
+        """The choice to measure this step: the next step of a run under way (unless its choice
+        leads now), or the first of a new run: of the choices that could beat the leader within
+        their error, the most promising, if the run keeps exploration within its share of the
+        bucket's steps."""
+        choice, left = self.runs.pop(bucket, (None, 0))
+        if left > 0 and choice != leader and choice in predictions:
+            self.runs[bucket] = (choice, left - 1)
+            return choice
+        budget = self.explore_share * self.steps[bucket]
+        if self.explored.get(bucket, 0) + self.explore_steps > budget:
+            return None
+        best = predictions[leader].rate
+        hopeful = [c for c, p in predictions.items() if c != leader and p.optimistic > best]
+        choice = max(hopeful, key=lambda c: predictions[c].optimistic, default=None)
+        if choice is not None:
+            self.runs[bucket] = (choice, self.explore_steps - 1)
+        return choice
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float) -> None:
         if not self.adaptive:
             return
-        self.measures.setdefault((self.bucket(batch_size), k), Measure()).add(tokens_per_request, seconds)
+        self.costs.add(batch_size, k, seconds)
+        if k != 0:
+            self.acceptance.add_step(k, tokens_per_request, batch_size)
+        self.measures.setdefault((self.bucket(batch_size), k), Measure()).add(tokens_per_request * batch_size, seconds)
+
+    def accept(self, k: Choice, num_accepted: list[int]) -> None:
+        """A chain's verify step: each request's accepted drafts (trees are measured by `record`)."""
+        if self.adaptive and isinstance(k, int) and k > 0:
+            self.acceptance.add_verify(k, num_accepted)
+
+    def report(self) -> dict[int, dict]:
+        """Per bucket: the leader, predicted and measured tokens/s per choice, steps and exploration."""
+        return {bucket: {"choice": self.leaders.get(bucket, 0), "steps": self.steps.get(bucket, 0),
+                         "explored": self.explored.get(bucket, 0),
+                         "predicted": dict(self.predicted.get(bucket, {})),
+                         "measured": {c: m.rate for (b, c), m in self.measures.items() if b == bucket}}
+                for bucket in sorted(self.steps)}

@@ -1,0 +1,164 @@
+"""The adaptive speculation policy against a simulated engine: step seconds from a cost model
+(plain decoding and chains of k drafts, linear in batch size and tokens, with 3% noise) and
+per-request acceptance drawn from per-position rates; seeded, no timing."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moespec.speculation.adaptive import SpeculationPolicy
+
+HIGH = (0.8, 0.6, 0.45)  # P(a >= i): the share of requests whose first i drafts are accepted
+LOW = (0.3, 0.1, 0.03)
+
+
+def seconds(batch: int, k: int) -> float:
+    """A step: fixed cost per forward, per verified token and per drafted token. With HIGH
+    acceptance k=3 is 1.45x plain decoding at batch 1, k=2 1.08x at batch 8, and every length
+    loses from batch 16 on (k=1: 0.98x at 16, 0.89x at 32, 0.83x at 64)."""
+    if k == 0:
+        return 0.010 + 0.0005 * batch
+    return 0.012 + 0.002 * k + 0.0005 * batch * (1 + k) + 0.0002 * batch * k
+
+
+def rate(batch: int, k: int, acceptance: tuple[float, ...]) -> float:
+    return batch * (1 + sum(acceptance[:k])) / seconds(batch, k)
+
+
+class Simulated:
+    """Runs the policy's choices: records a step's seconds and tokens as the engine does, except
+    the catch-up step after plain decoding (it measures switching), and each verify's accepts."""
+
+    def __init__(self, policy: SpeculationPolicy, seed: int = 0) -> None:
+        self.policy, self.rng, self.ran_plain = policy, random.Random(seed), False
+
+    def accepted(self, k: int, acceptance: tuple[float, ...]) -> int:
+        a = 0
+        while a < k and self.rng.random() < acceptance[a] / (acceptance[a - 1] if a else 1.0):
+            a += 1
+        return a
+
+    def run(self, batch: int, steps: int, acceptance: tuple[float, ...] = HIGH) -> list[int]:
+        choices = []
+        for _ in range(steps):
+            k = self.policy.choose(batch)
+            choices.append(k)
+            noisy = seconds(batch, k) * (1 + 0.03 * self.rng.gauss(0, 1))
+            if k == 0:
+                self.policy.record(batch, 0, 1.0, noisy)
+                self.ran_plain = True
+                continue
+            num_accepted = [self.accepted(k, acceptance) for _ in range(batch)]
+            self.policy.accept(k, num_accepted)
+            if not self.ran_plain:
+                self.policy.record(batch, k, 1 + sum(num_accepted) / batch, noisy)
+            self.ran_plain = False
+        return choices
+
+
+def test_simulated_model_is_what_the_tests_say():
+    assert rate(1, 3, HIGH) / rate(1, 0, HIGH) > 1.4
+    assert max(rate(8, k, HIGH) for k in (1, 2, 3)) / rate(8, 0, HIGH) > 1.05
+    assert all(rate(b, k, HIGH) < rate(b, 0, HIGH) for b in (16, 32, 64) for k in (1, 2, 3))
+    assert all(rate(8, k, LOW) < 0.9 * rate(8, 0, LOW) for k in (1, 2, 3))
+
+
+def test_speculates_at_batch_1_where_it_wins():
+    policy = SpeculationPolicy(3)
+    choices = Simulated(policy).run(1, 1000)
+    assert choices[:8] == [3, 3, 2, 2, 1, 1, 0, 0]  # every candidate measured first
+    assert policy.leaders[1] == 3 and choices[8:].count(3) >= 0.97 * len(choices[8:])
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-small-batches"])
+def test_decodes_plainly_where_every_draft_length_loses(warm):
+    """Batch 64 from a cold start (the first steps measure every candidate once), and after the
+    policy met batch sizes 1 to 8 (batch 64 predicted from them, never measured there): plain
+    decoding, and speculation only to measure, within 2% of the steps."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy)
+    if warm:
+        for batch in (1, 2, 4, 8):
+            sim.run(batch, 200)
+    first = policy.first_steps
+    choices, within = [], []
+    for _ in range(20):
+        choices += sim.run(64, 100)
+        within.append(policy.explored.get(64, 0) <= 0.02 * policy.steps[64])
+    assert all(within) and policy.leaders[64] == 0
+    measured = choices[policy.first_steps - first:]  # after the first measurement (cold start only)
+    assert sum(k != 0 for k in measured) <= 0.02 * len(choices)
+    assert policy.predicted[64][0] == pytest.approx(rate(64, 0, HIGH), rel=0.05)
+    assert max(policy.predicted[64][k] for k in (1, 2, 3)) < policy.predicted[64][0]
+
+
+def test_follows_a_shift_in_acceptance():
+    """Batch 8: speculation while acceptance is high, plain decoding within 40 steps of it
+    falling, speculation again within 400 steps of it rising (found by exploration while plain
+    decoding runs, within its share)."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy)
+    before = sim.run(8, 600, HIGH)
+    assert policy.leaders[8] in (1, 2) and sum(k > 0 for k in before[-300:]) >= 0.97 * 300
+    fallen = sim.run(8, 600, LOW)
+    assert fallen[40:].count(0) >= 0.97 * len(fallen[40:]) and policy.leaders[8] == 0
+    risen = sim.run(8, 600, HIGH)
+    back = next(i for i in range(len(risen)) if all(k > 0 for k in risen[i:i + 50]))
+    assert back < 400 and policy.leaders[8] != 0  # k=1..3 are within 5% of each other here
+    assert policy.explored[8] <= 0.02 * policy.steps[8]
+
+
+def test_predicts_a_length_never_run_from_per_position_acceptance():
+    """k=3 never runs at batch 2 once k=2 leads there... its tokens per step come from the
+    positions' counts gathered by every length."""
+    policy = SpeculationPolicy(3)
+    Simulated(policy).run(1, 300)
+    tokens, _ = policy.acceptance.tokens(3)
+    assert tokens == pytest.approx(1 + sum(HIGH), abs=0.1)
+    assert policy.acceptance.tokens(1)[0] == pytest.approx(1 + HIGH[0], abs=0.05)
+
+
+def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
+    """/metrics' policy gauges, read back with prometheus_client's own parser, from an engine
+    that ran adaptive MTP: one choice per bucket, the policy's leader, with predicted and
+    measured tokens/s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moespec.llm import LLM
+    from moespec.sampling import SamplingParams
+    from moespec.server.metrics import ServerMetrics
+    from test_speculation import prompts
+
+    llm = LLM(model=deepseek_mtp, speculation={"mode": "mtp", "num_speculative_tokens": 2, "adaptive": True},
+              page_size=4, num_kv_pages=256, max_num_seqs=4)
+    llm.generate(prompts([5, 9, 12, 7], seed=3), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                 use_tqdm=False)
+    metrics = ServerMetrics()
+    metrics.observe_engine(llm.engine)
+    samples = [s for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples]
+    report = llm.engine.policy.report()
+    assert 4 in report and report[4]["steps"] > 0
+    for bucket, state in report.items():
+        chosen = [s.labels["choice"] for s in samples
+                  if s.name == "moespec_spec_policy_choice" and s.labels["bucket"] == str(bucket) and s.value == 1]
+        assert chosen == [str(state["choice"])]
+        rates = {(s.labels["choice"], s.labels["source"]): s.value for s in samples
+                 if s.name == "moespec_spec_policy_tokens_per_second" and s.labels["bucket"] == str(bucket)}
+        assert {c for c, source in rates if source == "measured"} == {str(c) for c in state["measured"]}
+        assert all(rate > 0 for rate in rates.values())
+    assert {c for c, source in rates if source == "predicted"} == {"0", "1", "2"}  # the last bucket run
+    explored = [s.value for s in samples if s.name == "moespec_spec_policy_explore_steps"]
+    assert explored == [llm.engine.policy.explore_total] and explored[0] >= 6  # the first steps: 2 per candidate
+
+
+def test_step_cost_fit_discounts_a_burst_of_slow_steps():
+    """A few steps taken while the machine was 5x slower (a shared machine's burst of load) move
+    the fitted step time by little: it stays within 5% of the steady steps' (a plain mean: +19%)."""
+    from moespec.speculation.adaptive import StepCosts
+    rng, costs = random.Random(1), StepCosts()
+    steady = [seconds(32, 0) * (1 + 0.03 * rng.gauss(0, 1)) for _ in range(60)]
+    for i, s in enumerate(steady):
+        costs.add(32, 0, 5 * s if i in (3, 4, 5) else s)
+    predicted, _ = costs.predict(32, 0)
+    assert predicted == pytest.approx(seconds(32, 0), rel=0.05)
