@@ -10,7 +10,7 @@ larger than the last-level cache, as a model's forward streams its layers).
 it against the fallback of a CPU whose oneDNN has no bfloat16 linear (models.layers.pack_dtype:
 a bfloat16 weight packed as float32, used from 8 rows) and against no packing at all; bfloat16
 and float32, 1 and 16 rows, interleaved repeats, medians. Run it again with
-ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for what a CPU without AVX-512 pays:
+ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 for what a CPU without AVX-512 pays:
 
   .venv/bin/python benchmarks/bench_linear.py --fallback --threads 1 --out docs/bench/linear-fallback.json
 
@@ -54,13 +54,14 @@ def time_calls(args: argparse.Namespace) -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             size = out_dim * in_dim * dtype.itemsize
             ring = [torch.randn(out_dim, in_dim).to(dtype) for _ in range(max(2, args.cold_mb * 2**20 // size))]
-            packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in ring] if onednn_packs(dtype) else []
+            runs = onednn_packs(dtype)  # this CPU's oneDNN runs the dtype
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT) for w in ring] if runs else []
             for n in (1, 2, 5, 16):
                 for name, fn in (("F.linear", F.linear), ("linear", linear), ("packed", run_packed)):
                     if name == "linear" and (dtype != torch.float32 or n == 1):  # the same call as F.linear
                         continue
                     weights = packed if name == "packed" else ring
-                    if not weights:  # this CPU's oneDNN does not run the dtype
+                    if not weights:
                         continue
                     warm, cold = time_linear(weights[:1], n, 2000, fn), time_linear(weights, n, 2000, fn)
                     rows.append({"weight": [out_dim, in_dim], "dtype": str(dtype).removeprefix("torch."),

@@ -3,7 +3,7 @@
 words it (architecture, threads), the CPU's model name, the vector extensions torch's kernels use
 (`torch.backends.cpu.get_cpu_capability()`) and whether oneDNN runs bfloat16 linears there
 (models.layers.onednn_packs), with the variables that limit what torch uses where set
-(ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY: a run "as on" an older CPU)."""
+(ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS: a run "as on" an older CPU)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")  # what torch's kernels may use, if limited
+# what torch's kernels may use, where limited
+LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def cpu_model() -> str:
