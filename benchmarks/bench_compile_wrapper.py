@@ -13,13 +13,13 @@ import json
 import platform
 import statistics
 import time
-from datetime import date
 
 import torch
 
 import moespec.static_step as static_step
 from moespec import LLM, SamplingParams
 from moespec.bench import heldout_prompts
+from moespec.machine import run_info
 
 
 def python_wrapper(compile_fn):
@@ -75,7 +75,7 @@ def main() -> None:
         results.append(measure(args.model, batch, args.repeats, args.max_tokens))
         print(json.dumps(results[-1]), flush=True)
     if args.out:
-        report = {"date": str(date.today()), "machine": f"{platform.machine()}, {args.threads} threads",
+        report = {**run_info(f"{platform.machine()}, {args.threads} threads"),
                   "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "results": results}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

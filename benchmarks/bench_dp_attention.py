@@ -27,10 +27,10 @@ import os
 import platform
 import statistics
 import time
-from datetime import date
 
 from moespec.bench import hidden_share, step_times
 from moespec.config import load_config
+from moespec.machine import run_info
 from moespec.parallel.local_launch import run_ranks
 
 CONFIG = "configs/tiny-deepseek-mtp-ep2.yaml"
@@ -130,7 +130,7 @@ def main() -> None:
         if result.error:
             raise SystemExit(f"rank {result.rank} failed: {result.error}")
     summary = summarize(results[0].value, args.compare)
-    report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    report = {**run_info(f"{platform.machine()}, {os.cpu_count()} cores"),
               "config": CONFIG, "requests": args.requests, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "microbatch": args.microbatch, "compare": args.compare, "results": summary}
     print(json.dumps(report, indent=2))

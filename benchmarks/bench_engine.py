@@ -31,13 +31,13 @@ import platform
 import pstats
 import statistics
 import time
-from datetime import date
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from moespec import LLM, SamplingParams
 from moespec.config import resolve_path
+from moespec.machine import run_info
 from moespec.models.gguf import find_gguf
 
 
@@ -196,7 +196,7 @@ def main() -> None:
     if args.profile:
         print(profile_decode(llm, make_prompts(args.batch_sizes[-1], args.prompt_len, vocab), args.max_tokens))
     if args.out:
-        report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
                   "torch": torch.__version__, "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
                   "max_tokens": args.max_tokens, "repeats": args.repeats, "statistic": "median of interleaved repeats",
                   "compile_s": compile_s, "results": results}

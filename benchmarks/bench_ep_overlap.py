@@ -25,7 +25,6 @@ import json
 import platform
 import statistics
 import time
-from datetime import date
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from moespec.attention import AttentionMetadata, TorchPagedAttention, plan_forward
 from moespec.config import ParallelSection
 from moespec.kv_cache import KVCache, PageAllocator
+from moespec.machine import run_info
 from moespec.models import build_model
 from moespec.models.deepseek_v3 import DeepseekV3Config
 from moespec.parallel import EPRuntime, LinkModel, ThrottledCollectives, destroy, ep_experts_factory, init_parallel
@@ -149,7 +149,7 @@ def main() -> None:
     for outcome in outcomes:
         if outcome.error:
             raise SystemExit(f"rank {outcome.rank} failed: {outcome.error}")
-    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
               "args": vars(args), "rank0": outcomes[0].value,
               **summarize(outcomes[0].value, args.exchange.split(","))}
     print(json.dumps(report, indent=2))

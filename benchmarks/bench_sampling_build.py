@@ -18,10 +18,10 @@ import platform
 import random
 import statistics
 import time
-from datetime import date
 
 import torch
 
+from moespec.machine import run_info
 from moespec.sampling import SamplingBatch, SamplingParams, TokenCounts
 
 
@@ -70,7 +70,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
                   "torch": torch.__version__, "statistic": "median over steps of interleaved repeats",
                   "results": results}
         with open(args.out, "w") as f:

@@ -13,10 +13,11 @@ import argparse
 import json
 import platform
 from dataclasses import replace
-from datetime import date
 from pathlib import Path
 
 import torch
+
+from moespec.machine import run_info
 
 DRAFTERS = {  # name -> (config, overrides)
     "deepseek-mtp-k3": ("configs/tiny-deepseek-mtp.yaml", {"speculation.num_speculative_tokens": 3}),
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{name:18s} T={temperature:.1f}  accept length seeded {row['seeded']['accept_length']:.2f}  "
                   f"unseeded {row['unseeded']['accept_length']:.2f}", flush=True)
         llm.close()
-    return {"date": str(date.today()), "machine": f"{platform.machine()}, {args.threads} threads",
+    return {**run_info(f"{platform.machine()}, {args.threads} threads"),
             "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "batch": args.batch, "results": results}
 

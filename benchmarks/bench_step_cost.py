@@ -28,7 +28,6 @@ import json
 import platform
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from moespec import LLM, SamplingParams
 from moespec.attention import ForwardContext
 from moespec.batch import Span, pack_spans
 from moespec.kv_cache import KVCache
+from moespec.machine import run_info
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model
 from moespec.models.mtp_head import load_mtp_head
@@ -184,7 +184,7 @@ def main() -> None:
         result["mtp_over_decode[1]"] = round(result["mtp_ms[1]"] / result["forward_ms[1]"], 3)
         after = result[f"mtp_after_verify_ms[{verify_q}]"]
         result[f"mtp_after_verify_over_decode[{verify_q}]"] = round(after / result["forward_ms[1]"], 3)
-    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
               "target": args.target, "draft": args.draft, "head": args.head, "builtin_mtp": args.builtin_mtp,
               "context": args.context, "mixed": args.mixed, "result": result}
     print(json.dumps(report, indent=2))

@@ -19,10 +19,11 @@ import json
 import platform
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
+
+from moespec.machine import run_info
 
 RECORD = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -118,8 +119,7 @@ def run(args: argparse.Namespace) -> dict:
                   f"accept length {row['unconstrained']['accept_length']:.2f} / "
                   f"{row['json schema']['accept_length']:.2f}", flush=True)
         llm.close()
-    return {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-                                                  f"{platform.processor() or 'cpu'}",
+    return {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
             "model": args.model, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
             "temperature": args.temperature, "repeats": args.repeats, "schema": SCHEMA, "results": results}
 

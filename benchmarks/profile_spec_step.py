@@ -20,13 +20,13 @@ import functools
 import json
 import platform
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 from moespec import LLM, SamplingParams
 from moespec.bench import heldout_prompts
+from moespec.machine import run_info
 
 # (object path from the engine, method, label)
 PHASES = [
@@ -95,7 +95,7 @@ def main() -> None:
     steps = calls["engine step"]
     phases = {label: {"ms_per_step": round(1e3 * totals[label] / steps, 3),
                       "calls_per_step": round(calls[label] / steps, 2)} for label in totals}
-    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
               "model": args.model, "speculation": speculation, "compile": args.compile, "tokens_per_s": round(tokens / elapsed, 1),
               "tokens_per_step": round(tokens / steps, 2), "ms_per_step": round(1e3 * elapsed / steps, 3),
               "phases": phases}

@@ -26,10 +26,11 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import date
 from pathlib import Path
 
 import httpx
+
+from moespec.machine import run_info
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = {  # name -> (config, overrides)
@@ -251,7 +252,7 @@ def main() -> None:
         result = soak(name, seconds, args.clients, args.seed + i, Path(args.log_dir))
         print(json.dumps(result), flush=True)
         results.append(result)
-    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    report = {**run_info(f"{platform.machine()}, {os.cpu_count()} cores"),
               "minutes": args.minutes, "clients": args.clients, "results": results,
               "requests_served": sum(r["requests_served"] for r in results),
               "errors": sum(r["errors"] for r in results)}

@@ -6,7 +6,9 @@ I intermediate size, V vocab.
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
+import logging
 import math
 import weakref
 from dataclasses import dataclass
@@ -88,17 +90,50 @@ class OpObjects:
 
 OP_OBJECTS = OpObjects()
 PACK_ROWS_HINT = 16  # oneDNN picks its weight layout for about this many rows; any count runs
-# float32 only (bfloat16's F.linear is oneDNN's too, unpacked: packed wins at every size and row count):
+# float32 copies only (bfloat16's F.linear is oneDNN's too, unpacked: packed wins at every size and row count):
 PACKED_MIN_ROWS = 8  # fewer rows run unpacked: there the weights' bytes bound both (measured in the engine)
 PACKED_MIN_ELEMENTS = 1 << 16  # smaller weights stay unpacked: oneDNN's ~15 µs a call loses to MKL's
+BF16_NEEDS = "AVX-512 BW, VL and DQ, or AVX-NE-CONVERT"  # what oneDNN's bfloat16 linear needs of an x86-64 CPU
+logger = logging.getLogger("moespec.models")
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs and runs linear weights of `dtype`, by torch's own checks
+    (the single query: everything that packs asks it, and tests replace it). float32 runs on any
+    x86-64 CPU; bfloat16 needs BF16_NEEDS (`torch.ops.mkldnn._is_mkldnn_bf16_supported`, the
+    check `mkldnn_reorder_linear_weight` makes). ONEDNN_MAX_CPU_ISA=AVX2 in the environment makes
+    oneDNN, and so this, answer as on a CPU without AVX-512 (README, "Tests")."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def pack_dtype(weight: torch.Tensor, device_type: str | None = None) -> torch.dtype | None:
+    """The dtype of the copy `weight` gets packed as, None where it gets none: on the CPU (or on
+    `device_type`, for a model built on the meta device and sized by moespec.plan), a bfloat16
+    weight as itself at every size where oneDNN runs bfloat16, else as float32 (then it follows
+    float32's rules); float32 from PACKED_MIN_ELEMENTS elements."""
+    if (device_type or weight.device.type) != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if weight.dtype == torch.bfloat16 and onednn_packs(torch.bfloat16):
+        return torch.bfloat16
+    if weight.numel() < PACKED_MIN_ELEMENTS or not onednn_packs(torch.float32):
+        return None
+    return torch.float32
 
 
 def packable(weight: torch.Tensor, device_type: str | None = None) -> bool:
-    """Whether `weight` gets a packed copy: on the CPU with oneDNN; `device_type` in place of its
-    own device's (a model built on the meta device, sized by moespec.plan)."""
-    if (device_type or weight.device.type) != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return weight.dtype == torch.bfloat16 or (weight.dtype == torch.float32 and weight.numel() >= PACKED_MIN_ELEMENTS)
+    """Whether `weight` gets a packed copy (pack_dtype)."""
+    return pack_dtype(weight, device_type) is not None
+
+
+@functools.cache
+def log_float32_fallback() -> None:
+    logger.info("bfloat16 linears run as float32 over float32 packed copies (from %d rows; fewer: F.linear): this "
+                "CPU's oneDNN has no bfloat16 linear, which needs %s (torch: %s)", PACKED_MIN_ROWS, BF16_NEEDS,
+                torch.backends.cpu.get_cpu_capability())
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -110,29 +145,45 @@ class PackedWeight:
     """A weight [out, in], `arrange(source)`, reordered once into oneDNN's blocked layout; calling
     it runs oneDNN's linear over that copy: for 5-16 rows 1.3-3.4x faster than float32 F.linear
     (MKL) on weights of 768 x 256 and up in `benchmarks/bench_linear.py` (docs/benchmarks.md,
-    "Packed linears"), at the cost of a second copy of the weight. A source changed in place is
-    packed again before the next eager call; compiled steps read the copy as it is."""
+    "Packed linears"), at the cost of a second copy of the weight. The copy is in `dtype`
+    (pack_dtype): a bfloat16 weight packed as float32, on a CPU whose oneDNN has no bfloat16,
+    runs its inputs and outputs through float32. A source changed in place is packed again
+    before the next eager call; compiled steps read the copy as it is."""
 
     def __init__(self, source: torch.Tensor, arrange=lambda w: w) -> None:
+        self.dtype = pack_dtype(source)
+        if self.dtype is None:
+            raise ValueError(f"a {source.dtype} weight of {source.numel()} elements on {source.device} is not packed "
+                             "(models.layers.pack_dtype)")
+        if self.dtype != source.dtype:
+            log_float32_fallback()
         self.source, self.arrange = source, arrange
         self.key = OP_OBJECTS.add(self)
         self.repack()
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the packed copy (its layout's padding aside)."""
+        return self.source.numel() * self.dtype.itemsize
+
     def repack(self) -> None:
         with torch.no_grad():
-            weight = self.arrange(self.source.detach()).contiguous()  # [out, in]
+            weight = self.arrange(self.source.detach()).to(self.dtype).contiguous()  # [out, in]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         self.out_features = weight.shape[0]
         self.version = tensor_version(self.source)
 
     def applies(self, x: torch.Tensor) -> bool:
-        """Whether x [..., in] runs packed: no autograd, the weight's dtype, enough rows in float32."""
+        """Whether x [..., in] runs packed: no autograd, the weight's dtype, enough rows for a float32 copy."""
         if torch.is_grad_enabled() or x.dtype != self.source.dtype:
             return False
-        return x.dtype != torch.float32 or x.numel() >= PACKED_MIN_ROWS * x.shape[-1]
+        return self.dtype != torch.float32 or x.numel() >= PACKED_MIN_ROWS * x.shape[-1]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if x.dtype != self.dtype:  # a bfloat16 weight packed as float32
+            bias = None if bias is None else bias.to(self.dtype)
+            return self(x.to(self.dtype), bias).to(x.dtype)
         if torch.compiler.is_compiling():
             return torch.ops.moespec.packed_linear(x, bias, self.key, self.out_features)
         if self.version != tensor_version(self.source):  # changed in place since packing
@@ -170,8 +221,9 @@ class Linear(nn.Linear):
     ceil(in/128)], as DeepSeek's checkpoints store them; forward then runs the block-scaled FP8
     GEMM (models.fp8). Otherwise weights are in the model dtype.
 
-    `pack()` (CPU: bfloat16, or float32 of 64Ki elements or more) keeps the weight also as a
-    PackedWeight, which forwards without autograd run through (float32: of 8 rows or more).
+    `pack()` (CPU: bfloat16, or float32 of 64Ki elements or more; pack_dtype) keeps the weight
+    also as a PackedWeight, which forwards without autograd run through (a float32 copy: of 8 rows
+    or more).
     """
 
     pad_single_row = False  # see `linear`; set by the model runner for models that stream weights
@@ -186,7 +238,8 @@ class Linear(nn.Linear):
         return [self.weight] if packable(self.weight, device_type) else []
 
     def pack(self) -> bool:
-        """Keep the weight also packed for oneDNN (see the class); False where that does not apply."""
+        """Keep the weight also packed for oneDNN (see the class); False where that does not apply
+        (pack_dtype)."""
         if not self.packed_sources():
             return False
         self.packed = PackedWeight(self.weight)
@@ -278,8 +331,8 @@ def packing_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack the weights of every module of `model` that can, for oneDNN on the CPU; returns how
-    many modules did."""
+    """Pack the weights of every module of `model` that can, for oneDNN on the CPU (pack_dtype:
+    what this CPU runs); returns how many modules did."""
     return sum(module.pack() for module in packing_modules(model))
 
 

@@ -46,10 +46,11 @@ import random
 import statistics
 import time
 from dataclasses import replace
-from datetime import date
 from pathlib import Path
 
 import torch
+
+from moespec.machine import run_info
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
                 logger.info("batch %d %-8s speedup over none%s: %.2f", batch, label, suffix, row["speedup_same_switches"])
         for llm in engines.values():
             llm.close()
-    report = {"date": str(date.today()), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
               "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
               "cuda_graph": args.cuda_graph, "overlap": args.overlap,

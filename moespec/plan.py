@@ -132,11 +132,13 @@ def param_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def packed_weight_bytes(model: torch.nn.Module, device: str) -> int:
-    """The second copy of the weights that model.pack_linears packs on `device` (layers.pack_linears)."""
-    from moespec.models.layers import packing_modules
+    """The second copy of the weights that model.pack_linears packs on `device` (layers.pack_linears),
+    each in the dtype this CPU packs it as (layers.pack_dtype: float32 for bfloat16 where oneDNN
+    has no bfloat16)."""
+    from moespec.models.layers import pack_dtype, packing_modules
 
     device_type = torch.device(device).type
-    return sum(t.numel() * t.element_size() for module in packing_modules(model)
+    return sum(t.numel() * pack_dtype(t, device_type).itemsize for module in packing_modules(model)
                for t in module.packed_sources(device_type))
 
 

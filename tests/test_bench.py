@@ -25,6 +25,7 @@ def test_bench_writes_results_for_every_mode(tmp_path):
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["cpu"] and report["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # what it ran on
     graphs = {label: report["results"].pop(label) for label in ("none/graph", "draft:2/graph")}
     assert set(report["results"]) == {"none", "draft:2"} and report["cuda_graph"] == "both"
     # captured steps (checked replays on this CPU): captured in the warm-up, compared with the same switches
