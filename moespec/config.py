@@ -133,6 +133,13 @@ class ServerSection:
     max_request_bytes: int = 32 * 2**20  # request body size; larger bodies get 413
     step_timeout_s: float = 300.0  # a step running longer fails /health and ends the process (and its peers)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may run before they are aborted
+    body_read_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    max_schema_bytes: int = 65536  # a structured output's JSON schema, as compact JSON text
+    max_schema_depth: int = 32  # nesting of a JSON schema's objects and arrays
+    max_enum_items: int = 1024  # items of one schema enum/anyOf/oneOf list, or of a choice list
+    max_grammar_chars: int = 16384  # a regex or EBNF grammar (a choice list's characters together)
+    grammar_compile_timeout_s: float = 10.0  # a grammar compiling longer is stopped (400)
+    max_concurrent_compiles: int = 2  # grammar compile processes running at once; more wait
 
 
 @dataclass(frozen=True)
@@ -163,7 +170,8 @@ class EngineConfig:
             raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
         if self.model.max_model_len is not None:
             check_positive(self.model.max_model_len, "model.max_model_len")
-        for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes"):
+        for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes", "max_schema_bytes",
+                    "max_schema_depth", "max_enum_items", "max_grammar_chars", "max_concurrent_compiles"):
             check_positive(getattr(self.server, key), f"server.{key}")
         if self.scheduler.overlap and self.speculation.mode != "none" and self.model.attention_backend != "torch":
             # a verify step planned before the previous one's accepted lengths are known is shifted on
@@ -179,7 +187,7 @@ class EngineConfig:
             self.check_tree()
         for size in self.model.compile_batch_sizes or ():
             check_positive(size, "model.compile_batch_sizes")
-        for key in ("step_timeout_s", "drain_timeout_s"):
+        for key in ("step_timeout_s", "drain_timeout_s", "body_read_timeout_s", "grammar_compile_timeout_s"):
             if not getattr(self.server, key) > 0:
                 raise ConfigError(f"server.{key} must be > 0, got {getattr(self.server, key)!r}")
 

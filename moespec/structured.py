@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 import torch
@@ -56,6 +57,22 @@ class StructuredOutputs:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        self.normalize()
+        parse(self)
+
+    @classmethod
+    def unparsed(cls, **constraint) -> StructuredOutputs:
+        """The same checks but xgrammar's parse, which can be slow (a deep schema): a caller that
+        compiles the grammar elsewhere (the server's compile processes) learns of errors there."""
+        spec = cls.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(spec, f.name, constraint.pop(f.name, f.default))
+        if constraint:
+            raise GrammarError(sorted(constraint)[0], f"unknown field; allowed: {', '.join(KINDS)}")
+        spec.normalize()
+        return spec
+
+    def normalize(self) -> None:
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise GrammarError(None, f"set exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}")
@@ -69,11 +86,19 @@ class StructuredOutputs:
                 raise GrammarError(name, f"must be a non-empty string, got {value!r}")
         if self.json_object is not True and self.json_object is not False:
             raise GrammarError("json_object", f"must be a bool, got {self.json_object!r}")
-        parse(self)
 
     @property
     def kind(self) -> str:
         return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on: its kind and text."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "grammar", choice_ebnf(self.choice)
+        return self.kind, getattr(self, self.kind)
 
     @classmethod
     def of(cls, value: StructuredOutputs | dict) -> StructuredOutputs:
@@ -162,15 +187,20 @@ class GrammarState:
 
 
 class Grammars:
-    """The model's grammar compiler, built on first use (xgrammar is imported only then)."""
+    """The model's grammar compiler, built on first use (xgrammar is imported only then), and
+    its compiled grammars (an LRU of `cache_bytes`, keyed by kind and text). The server compiles
+    in killable processes (server/grammar_workers.py) and hands the results over with `load`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int], cache_bytes: int = CACHE_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self.cache_bytes = cache_bytes
         self.words = (vocab_size + 31) // 32  # W
+        self.info = None
         self.compiler = None
         self.batch_matcher = None
-        self.lock = threading.Lock()  # HTTP worker threads compile too
+        self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # key -> CompiledGrammar
+        self.compiled_bytes = 0
+        self.lock = threading.Lock()  # HTTP worker threads load grammars too
 
     def start(self) -> None:
         with self.lock:
@@ -181,24 +211,43 @@ class Grammars:
                 raise ValueError("structured outputs: this model has no tokenizer to match a grammar to tokens")
             if not self.stop_ids:
                 raise ValueError("structured outputs: this model has no EOS token to end an output with")
-            info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_ids)
+            self.info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_ids)
             self.batch_matcher = xgr.BatchGrammarMatcher()
-            self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=self.cache_bytes)
+            self.compiler = xgr.GrammarCompiler(self.info, cache_limit_bytes=0)  # our cache keeps them
+
+    def cached(self, spec: StructuredOutputs):
+        """The compiled grammar if it is in the cache (now most recently used), else None."""
+        with self.lock:
+            compiled = self.compiled.get(spec.key)
+            if compiled is not None:
+                self.compiled.move_to_end(spec.key)
+            return compiled
 
     def compile(self, spec: StructuredOutputs):
-        """The compiled grammar (from the cache when compiled before)."""
+        """The compiled grammar, from the cache or compiled here (in this process, unbounded)."""
+        compiled = self.cached(spec)
+        if compiled is None:
+            self.start()
+            compiled = self.keep(spec, compile_spec(self.compiler, spec))
+        return compiled
+
+    def load(self, spec: StructuredOutputs, serialized: str):
+        """Cache a grammar compiled elsewhere (CompiledGrammar.serialize_json) and return it."""
         self.start()
-        c = self.compiler
-        try:
-            if spec.json is not None:
-                return c.compile_json_schema(spec.json, **JSON_OPTIONS)
-            if spec.json_object:
-                return c.compile_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
-            if spec.regex is not None:
-                return c.compile_regex(spec.regex)
-            return c.compile_grammar(spec.grammar if spec.grammar is not None else choice_ebnf(spec.choice))
-        except RuntimeError as e:
-            raise GrammarError(spec.kind, engine_message(e)) from None
+        from xgrammar import CompiledGrammar
+
+        return self.keep(spec, CompiledGrammar.deserialize_json(serialized, self.info))
+
+    def keep(self, spec: StructuredOutputs, compiled):
+        size = compiled.memory_size_bytes
+        with self.lock:
+            if spec.key not in self.compiled:
+                self.compiled[spec.key] = compiled
+                self.compiled_bytes += size
+            while self.compiled_bytes > self.cache_bytes and len(self.compiled) > 1:
+                _, old = self.compiled.popitem(last=False)
+                self.compiled_bytes -= old.memory_size_bytes
+            return self.compiled.get(spec.key, compiled)
 
     def matcher(self, spec: StructuredOutputs) -> GrammarState:
         from xgrammar import GrammarMatcher
@@ -214,6 +263,42 @@ class Grammars:
         if rows:
             self.batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
         return bitmask
+
+
+def compile_spec(compiler, spec: StructuredOutputs):
+    """One constraint compiled by an xgrammar GrammarCompiler (a GrammarError naming its field)."""
+    kind, text = spec.key
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(text, **JSON_OPTIONS)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+    except RuntimeError as e:
+        raise GrammarError(spec.kind, engine_message(e)) from None
+
+
+def serve_compiles(connection, info_json: str) -> None:
+    """A compile process: receives StructuredOutputs, sends back ("ok", serialized compiled
+    grammar) or ("error", field, reason), until its connection closes. One thread: the process
+    is the unit that is killed when a compile runs too long or its request goes away."""
+    xgr = import_xgrammar()
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
+                                   cache_limit_bytes=0)
+    connection.send("ready")
+    while True:
+        try:
+            spec = connection.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            connection.send(("ok", compile_spec(compiler, spec).serialize_json()))
+        except GrammarError as e:
+            connection.send(("error", e.field, e.reason))
+        except Exception as e:  # noqa: BLE001  xgrammar's other failures on odd input (UnicodeDecodeError)
+            connection.send(("error", spec.kind, f"xgrammar cannot compile it ({type(e).__name__}: {e})"))
 
 
 def tokenizer_info(xgr, tokenizer, vocab_size: int, stop_ids: list[int]):

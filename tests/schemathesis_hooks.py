@@ -43,10 +43,16 @@ def satisfies_described_constraints(body: dict, chat: bool) -> bool:
 
 def structured_output_compiles(body: dict) -> bool:
     """At most one structured-output field, one that compiles, and min_tokens 0 beside it."""
+    from moespec.config import ServerSection
     from moespec.server.errors import ApiError
+    from moespec.server.limits import GrammarLimits
     from moespec.server.protocol import CompletionRequest
+    from moespec.structured import parse
     try:
         grammar = CompletionRequest.model_validate({**body, "prompt": "x"}).grammar()
+        if grammar is not None:
+            GrammarLimits.build(ServerSection()).check(grammar)  # the fuzzed server's bounds
+            parse(grammar.spec)
     except (ApiError, ValueError):  # pydantic's ValidationError is a ValueError
         return False
     return grammar is None or not body.get("min_tokens")

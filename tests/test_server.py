@@ -74,7 +74,9 @@ def server(tmp_path_factory):
                                                                     "adaptive": False},
                                "server": {"max_waiting_requests": 64}})
     engine = Engine(config)
-    with RunningServer(engine, create_app(engine, MODEL, API_KEY)) as running:
+    app = create_app(engine, MODEL, API_KEY)
+    with RunningServer(engine, app) as running:
+        app.state.server.bodies.wait_ready(timeout=120)  # its large-body process has imported what it needs
         yield running
 
 

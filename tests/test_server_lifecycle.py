@@ -35,7 +35,8 @@ def slowed(self, batch, ctx):
     return forward(self, batch, ctx)
 ModelRunner.forward = slowed
 from moespec.cli import main
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # not in the server's spawned processes (body parsing, grammar compiles)
+    sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -285,6 +286,40 @@ def test_sigterm_drains_then_exits_zero(tmp_path, checkpoint, drain_timeout_s, m
     assert result == {"done": True, "finish_reason": expected}, (result, output[-2000:])
     if expected == "abort":
         assert time.monotonic() - signaled < drain_timeout_s + 15
+
+
+def test_sigterm_during_a_slow_compile_answers_503_and_exits_zero(tmp_path, checkpoint):
+    """SIGTERM while a grammar compiles (an enum of 100,000 strings: minutes): the waiting request
+    gets OpenAI's error JSON with 503 at once, and the process exits 0 well within the drain
+    timeout plus a few seconds (on main it answered a plain-text 500 and never exited)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = write_config(tmp_path, checkpoint, server={"drain_timeout_s": 5, "grammar_compile_timeout_s": 300,
+                                                        "max_enum_items": 100_000, "max_schema_bytes": 4 << 20})
+    process, log = start_serve(tmp_path, config, port, {})
+    try:
+        wait_healthy(url, [process], logs=[log])
+        result: dict = {}
+        body = {"prompt": "x", "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "enum": [f"value-{i}" for i in range(100_000)]}}}}
+        client = threading.Thread(target=lambda: result.update(response=post(url, body)))
+        client.start()
+        time.sleep(8)  # the compile process has started (it imports torch and xgrammar) and is compiling
+        assert client.is_alive(), result
+        signaled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        client.join(timeout=30)
+        answered = time.monotonic() - signaled
+        code = wait_exit(process, timeout=30)
+        exited = time.monotonic() - signaled
+    finally:
+        kill_all([process])
+    output = Path(log).read_text()
+    response = result["response"]
+    assert response.status_code == 503, (response.text, output[-3000:])
+    assert response.json()["error"]["code"] == "server_shutting_down"
+    assert answered < 3, answered
+    assert code == 0 and exited < 5 + 10, (code, exited, output[-3000:])
 
 
 # ---------------------------------------------------------------------- data-parallel attention over 2 ranks

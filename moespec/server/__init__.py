@@ -2,6 +2,8 @@
 
   gate.py         first stop of every request: body size (413), draining (503), HTTP counters
   protocol.py     request bodies (pydantic) -> SamplingParams
+  bodies.py       JSON parsing and validation of bodies, large ones in a separate process
+  grammar_workers.py  grammar compiles in killable processes: time budget, cap, cancellation
   limits.py       the deployment's bounds on a request (n, prompts, prompt length, chat roles)
   engine_loop.py  the engine thread: adds/aborts handed over by queue, output deltas fed to
                   per-request asyncio queues; the step watchdog and the drain
@@ -12,6 +14,12 @@
   app.py          the FastAPI app: routes, auth, streaming
   launch.py       `moespec serve`: build the engine, run uvicorn on the leader rank, drain on SIGTERM
 """
-from moespec.server.app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str):
+    if name == "create_app":  # lazily: a body-parsing or grammar process imports only what it needs
+        from moespec.server.app import create_app
+
+        return create_app
+    raise AttributeError(name)

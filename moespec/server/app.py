@@ -1,9 +1,13 @@
 """The FastAPI app: OpenAI routes, auth, streaming, health and metrics.
 
 What a request costs is bounded before it costs it: the gate (gate.py) refuses bodies over
-`server.max_request_bytes` (413) and new requests while draining (503); `RequestLimits`
-refuses what could never fit (400); prompts are tokenized and chat templates rendered in
-the HTTP worker threads, never on the engine thread; 429 means only "retry later".
+`server.max_request_bytes` (413), bodies that arrive too slowly (408) and new requests while
+draining (503); `RequestLimits` refuses what could never fit (400); 429 means only "retry
+later". Nothing slow runs on the event loop, so /health and other requests keep their pace
+while one is prepared: large bodies are parsed in a separate process (bodies.py), grammars
+compiled in killable processes (grammar_workers.py), prompts tokenized and chat templates
+rendered in worker threads, never on the engine thread. A client that leaves while its
+request is prepared stops that preparation; so does SIGTERM, with a 503.
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -24,16 +29,19 @@ import moespec
 from moespec.config import ServerSection
 from moespec.engine import Engine
 from moespec.sampling import SamplingParams
+from moespec.server.bodies import BodyParser
 from moespec.server.engine_loop import (Delta, Draining, EngineFailed, EngineLoop, Overloaded, RequestHandle,
                                         exit_process)
 from moespec.server.errors import ApiError, bad_request, error_body, install_error_handlers
 from moespec.server.gate import RequestGate
+from moespec.server.grammar_workers import CompilesStopped, CompileTimeout, GrammarWorkers
 from moespec.server.limits import RequestLimits
 from moespec.server.metrics import ServerMetrics
 from moespec.server.openapi import install_openapi
-from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar
+from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar, SamplingRequest
 from moespec.server.responses import (SSE_DONE, Choice, TokenNames, UsageTotals, chat_choice, chat_logprobs,
                                       completion_choice, completion_logprobs, sse)
+from moespec.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.5
 
@@ -48,6 +56,24 @@ class ServerState:
     names: TokenNames
     limits: RequestLimits
     settings: ServerSection
+    bodies: BodyParser
+    compiles: GrammarWorkers
+
+    def start(self) -> None:
+        self.bodies.start()
+        self.loop.start()
+
+    def stop_preparation(self) -> None:
+        """SIGTERM: stop parsing bodies and compiling grammars; their requests get 503."""
+        self.compiles.stop()
+        self.bodies.stop()
+
+    async def parse(self, model: type[SamplingRequest], request: Request) -> SamplingRequest:
+        try:
+            return await self.bodies.parse(model, await request.body(), self.limits)
+        except BrokenProcessPool:  # stopped by SIGTERM
+            raise ApiError(503, "the server is shutting down; send the request to another replica",
+                           code="server_shutting_down") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -56,26 +82,30 @@ class ServerState:
 
     async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
                      grammar: RequestGrammar | None = None) -> RequestHandle:
-        """Tokenize (and compile the grammar) in a worker thread, then hand the token ids to the
-        engine thread."""
+        """Compile the grammar (in a compile process) and tokenize (in a worker thread), then hand
+        the token ids to the engine thread, which finds the grammar in its cache."""
         try:
-            ids = await run_in_threadpool(self.tokenize, prompts, grammar)
+            if grammar is not None:
+                await self.compile(grammar)
+            ids = await run_in_threadpool(self.tokenize, prompts)
             return await self.loop.add(request_id, ids, params)
         except Overloaded as e:
             raise ApiError(429, str(e), code="too_many_waiting_requests") from None
-        except Draining as e:
+        except (Draining, CompilesStopped) as e:
             raise ApiError(503, str(e), code="server_shutting_down") from None
         except ValueError as e:
             raise bad_request(e) from None
 
-    def tokenize(self, prompts: list[Prompt], grammar: RequestGrammar | None = None) -> list[list[int]]:
-        """Token ids of every prompt; the text ones are checked here, the others were already.
-        A grammar is compiled here too: the engine thread then finds it in the grammar cache."""
-        if grammar is not None:
-            try:
-                self.engine.grammars.compile(grammar.spec)
-            except ValueError as e:
-                raise ApiError(400, f"{grammar.param}: {getattr(e, 'reason', e)}", grammar.param) from None
+    async def compile(self, grammar: RequestGrammar) -> None:
+        try:
+            await self.compiles.prepare(grammar.spec)
+        except GrammarError as e:
+            raise ApiError(400, f"{grammar.param}: {e.reason}", grammar.param) from None
+        except CompileTimeout as e:
+            raise ApiError(400, f"{grammar.param}: {e}", grammar.param, "grammar_compile_timeout") from None
+
+    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
+        """Token ids of every prompt; the text ones are checked here, the others were already."""
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = encode_texts(self.engine.tokenizer, texts)
         for ids in encoded:
@@ -94,9 +124,12 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     if tokenizer is None:
         raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    try:
+        if backend is None:
+            return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    except Exception as e:  # tokenizers' TypeError on text that is not valid Unicode, and its kin
+        raise ValueError(f"prompt: the tokenizer cannot take this text ({type(e).__name__}: {e})") from None
 
 
 def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
@@ -105,14 +138,16 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     settings = settings or engine.config.server
     metrics = ServerMetrics()
     limits = RequestLimits.build(settings, engine.max_model_len, engine.vocab_size, engine.tokenizer)
+    compiles = GrammarWorkers(engine.grammars, settings.grammar_compile_timeout_s, settings.max_concurrent_compiles)
     state = ServerState(engine, EngineLoop(engine, settings, metrics, on_stall), metrics,
                         model_name or default_model_name(engine), api_key, TokenNames(engine.tokenizer), limits,
-                        settings)
+                        settings, BodyParser(), compiles)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
+        state.start()
         yield
+        state.stop_preparation()
         state.loop.stop()
 
     app = FastAPI(title="moespec", version=moespec.__version__, lifespan=lifespan,
@@ -169,19 +204,24 @@ async def list_models(request: Request) -> dict:
                                         "owned_by": "moespec", "max_model_len": server.engine.max_model_len}]}
 
 
-@v1.post("/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+def request_body(model: str) -> dict:
+    """The route's documented body (parsed by the route itself, off the event loop when large)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
+@v1.post("/completions", openapi_extra=request_body("CompletionRequest"))
+async def create_completion(request: Request) -> Response:
     server = server_of(request)
+    body = await server.parse(CompletionRequest, request)
     server.check_model(body.model)
     if body.echo:
         raise ApiError(400, "echo: not supported", "echo")
     prompts = body.prompts()
-    server.limits.check_n(body.n or 1, len(prompts))
-    server.limits.check_prompts(prompts)
     grammar = body.grammar()
     params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size, grammar)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    handle = await server.submit(request_id, prompts, params, grammar)
+    handle = await until_disconnected(request, server.submit(request_id, prompts, params, grammar))
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         chunks = stream_completion(server, handle, header, body.logprobs is not None, body.include_usage, params.n)
@@ -192,18 +232,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                          "usage": usage.as_dict()})
 
 
-@v1.post("/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+@v1.post("/chat/completions", openapi_extra=request_body("ChatCompletionRequest"))
+async def create_chat_completion(request: Request) -> Response:
     server = server_of(request)
+    body = await server.parse(ChatCompletionRequest, request)
     server.check_model(body.model)
-    server.limits.check_n(body.n or 1, 1)
-    server.limits.check_messages(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     grammar = body.grammar()
     params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size, grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = await run_in_threadpool(render_chat, server, body)
-    handle = await server.submit(request_id, [prompt], params, grammar)
+    handle = await until_disconnected(request, server.submit(request_id, [prompt], params, grammar))
     header = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
         header["object"] = "chat.completion.chunk"
@@ -223,6 +262,17 @@ def render_chat(server: ServerState, body: ChatCompletionRequest) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja's TemplateError, raise_exception() in the template
         raise ApiError(400, f"messages: {e}", "messages") from None
+
+
+async def until_disconnected(request: Request, preparation: Awaitable[RequestHandle]) -> RequestHandle:
+    """The request's preparation, cancelled (a compile killed) if the client goes away meanwhile."""
+    task = asyncio.ensure_future(preparation)
+    while not task.done():
+        await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            raise ApiError(400, "the client went away while the request was prepared", code="client_disconnected")
+    return task.result()
 
 
 # ---------------------------------------------------------------------- non-streaming

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 # "SamplingParams.top_p=2.0: ..." (sampling) and "prompt: ..." (engine) name the field first
 FIELD_PATTERNS = (re.compile(r"^SamplingParams\.(\w+)"), re.compile(r"^(\w+):"))
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable", 500: "internal_error"}
 
 

@@ -2,10 +2,14 @@
 
 - A body larger than `server.max_request_bytes` gets 413, whether Content-Length says so or
   the body turns out longer while it is read; nothing beyond the limit is kept in memory.
+- A body that has not arrived `server.body_read_timeout_s` after the request began gets 408
+  (a client that trickles a body in holds no connection for ever).
 - While the server drains (SIGTERM), new /v1 requests get 503.
 - Every response is counted by route and status (`moespec_http_requests_total`).
 """
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,7 +37,14 @@ class RequestGate:
             await too_large(limit)(scope, receive, send)
             return
         if scope["method"] in BODY_METHODS:
-            body = await read_body(receive, limit)
+            timeout_s = self.state.settings.body_read_timeout_s
+            try:
+                body = await asyncio.wait_for(read_body(receive, limit), timeout_s)
+            except asyncio.TimeoutError:
+                await error_response(408, f"request body: not received within {timeout_s:g} s "
+                                          "(server.body_read_timeout_s)", code="request_timeout",
+                                     headers={"Connection": "close"})(scope, receive, send)
+                return
             if body is None:
                 await too_large(limit)(scope, receive, send)
                 return

@@ -6,11 +6,13 @@ that names the field: it could never succeed, so "retry later" (429) would be wr
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from moespec.config import ServerSection
 from moespec.server.errors import ApiError
-from moespec.server.protocol import ChatMessage, Prompt, check_vocab
+from moespec.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prompt, RequestGrammar,
+                                     SamplingRequest, check_vocab)
 
 CANDIDATE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -24,11 +26,26 @@ class RequestLimits:
     vocab_size: int
     max_prompt_chars: int  # no text longer than this can fit in max_model_len tokens
     roles: tuple[str, ...]  # chat roles the template renders
+    grammar: GrammarLimits
 
     @classmethod
     def build(cls, server: ServerSection, max_model_len: int, vocab_size: int, tokenizer) -> RequestLimits:
         return cls(server.max_n, server.max_prompts_per_request, server.max_waiting_requests, max_model_len,
-                   vocab_size, max_model_len * longest_token_chars(tokenizer), template_roles(tokenizer))
+                   vocab_size, max_model_len * longest_token_chars(tokenizer), template_roles(tokenizer),
+                   GrammarLimits.build(server))
+
+    def check_request(self, request: SamplingRequest) -> None:
+        """Every bound a parsed request body can be checked against before it is served."""
+        if isinstance(request, CompletionRequest):
+            prompts = request.prompts()
+            self.check_n(request.n or 1, len(prompts))
+            self.check_prompts(prompts)
+        elif isinstance(request, ChatCompletionRequest):
+            self.check_n(request.n or 1, 1)
+            self.check_messages(request.messages)
+        grammar = request.grammar()
+        if grammar is not None:
+            self.grammar.check(grammar)
 
     def check_n(self, n: int, num_prompts: int) -> None:
         if n > self.max_n:
@@ -90,3 +107,67 @@ def template_roles(tokenizer) -> tuple[str, ...]:
             continue
         roles.append(role)
     return tuple(roles)
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds on a structured output, checked before xgrammar sees it: its work grows with the
+    schema's size and depth, an enum's length and a regex's or grammar's length (a 400-deep
+    object schema took xgrammar 38 s to parse, a 100,000-string enum did not compile in 300 s)."""
+
+    max_schema_bytes: int
+    max_schema_depth: int
+    max_enum_items: int
+    max_grammar_chars: int
+
+    @classmethod
+    def build(cls, server: ServerSection) -> GrammarLimits:
+        return cls(server.max_schema_bytes, server.max_schema_depth, server.max_enum_items, server.max_grammar_chars)
+
+    def check(self, grammar: RequestGrammar) -> None:
+        spec, param = grammar
+        if spec.json is not None:
+            self.check_schema(spec.json, param)
+        for text, what in ((spec.regex, "a regex"), (spec.grammar, "a grammar")):
+            if text is not None and len(text) > self.max_grammar_chars:
+                raise ApiError(400, f"{param}: {what} of {len(text)} characters; at most {self.max_grammar_chars} "
+                                    "(server.max_grammar_chars)", param)
+        if spec.choice is not None:
+            self.check_items(len(spec.choice), param, "choice list")
+            chars = sum(map(len, spec.choice))
+            if chars > self.max_grammar_chars:
+                raise ApiError(400, f"{param}: choices of {chars} characters together; at most "
+                                    f"{self.max_grammar_chars} (server.max_grammar_chars)", param)
+
+    def check_schema(self, schema: str, param: str) -> None:
+        if len(schema) > self.max_schema_bytes:
+            raise ApiError(400, f"{param}: a JSON schema of {len(schema)} bytes (as compact JSON); at most "
+                                f"{self.max_schema_bytes} (server.max_schema_bytes)", param)
+        depth, longest = schema_shape(json.loads(schema))
+        if depth > self.max_schema_depth:
+            raise ApiError(400, f"{param}: a JSON schema nested {depth} deep; at most {self.max_schema_depth} "
+                                "(server.max_schema_depth)", param)
+        self.check_items(longest, param, "enum, anyOf or oneOf list")
+
+    def check_items(self, count: int, param: str, what: str) -> None:
+        if count > self.max_enum_items:
+            raise ApiError(400, f"{param}: a {what} of {count} items; at most {self.max_enum_items} "
+                                "(server.max_enum_items)", param)
+
+
+def schema_shape(schema: object) -> tuple[int, int]:
+    """(nesting depth of objects and arrays, longest enum/anyOf/oneOf list), without recursion."""
+    depth = longest = 0
+    stack = [(schema, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            depth = max(depth, level)
+            for key, value in node.items():
+                if key in ("enum", "anyOf", "oneOf") and isinstance(value, list):
+                    longest = max(longest, len(value))
+                stack.append((value, level + 1))
+        elif isinstance(node, list):
+            depth = max(depth, level)
+            stack.extend((item, level + 1) for item in node)
+    return depth, longest

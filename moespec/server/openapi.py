@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 import moespec
+from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
 
 Finish = Literal["stop", "length", "abort"] | None
 
@@ -125,17 +126,19 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)  # the routes parse their bodies themselves
 RESPONSE_MODELS = (ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelList, Health)
 ERRORS = {400: "Malformed JSON, a wrong type or value, or a request this deployment could never serve "
                "(`param` names the field)",
           401: "Missing or wrong API key (`Authorization: Bearer KEY`)",
           404: "`model` is not the model this server serves",
+          408: "The body did not arrive within `server.body_read_timeout_s`",
           413: "The body is larger than `server.max_request_bytes`",
           429: "More than `server.max_waiting_requests` sequences would be waiting; retry later",
           500: "The engine failed while serving the request",
           503: "The server is shutting down"}
-ROUTE_ERRORS = {("post", "/v1/completions"): (400, 401, 404, 413, 429, 500, 503),
-                ("post", "/v1/chat/completions"): (400, 401, 404, 413, 429, 500, 503),
+ROUTE_ERRORS = {("post", "/v1/completions"): (400, 401, 404, 408, 413, 429, 500, 503),
+                ("post", "/v1/chat/completions"): (400, 401, 404, 408, 413, 429, 500, 503),
                 ("get", "/v1/models"): (401, 503)}
 OK = {("post", "/v1/completions"): "CompletionResponse", ("post", "/v1/chat/completions"): "ChatCompletionResponse",
       ("get", "/v1/models"): "ModelList", ("get", "/health"): "Health"}
@@ -146,7 +149,9 @@ SSE_EVENT = {  # one server-sent event (stream: true); its data is a JSON chunk,
 ONE_GRAMMAR = "At most one of response_format, structured_outputs and the guided_* fields constrains a request."
 CROSS_FIELD = {
     "min_tokens": "At most max_tokens (max_completion_tokens for chat); 0 with a structured output.",
-    "response_format": "json_schema needs json_schema.schema, a JSON schema that xgrammar compiles. " + ONE_GRAMMAR,
+    "response_format": "json_schema needs json_schema.schema, a JSON schema that xgrammar compiles within the "
+                       "server's grammar bounds (server.max_schema_bytes, max_schema_depth, max_enum_items, "
+                       "grammar_compile_timeout_s). " + ONE_GRAMMAR,
     "structured_outputs": "Exactly one of json (a JSON schema), json_object, regex, choice, grammar (EBNF with a "
                           "root rule named root); it must compile with xgrammar. " + ONE_GRAMMAR,
     "guided_json": "A JSON schema that xgrammar compiles (structured_outputs.json). " + ONE_GRAMMAR,
@@ -176,7 +181,7 @@ def describe(schema: dict, state) -> dict:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-    for model in RESPONSE_MODELS:
+    for model in (*REQUEST_MODELS, *RESPONSE_MODELS):
         add_model(components, model)
     for path, methods in schema["paths"].items():
         for method, operation in methods.items():

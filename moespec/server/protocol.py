@@ -20,6 +20,11 @@ MAX_STOP_STRINGS = 16  # each one is searched for after every token
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+FIELD_RULES = {  # the rule a field's validation error is completed with
+    "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to {MAX_STOP_CHARS} characters",
+    "stop_token_ids": f"at most {MAX_STOP_TOKEN_IDS} token ids",
+    "logit_bias": f"at most {MAX_LOGIT_BIAS} entries, token ids as decimal strings to biases in [-100, 100]",
+}
 
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # unknown fields are ignored; "1" is no number
 
@@ -132,7 +137,7 @@ class SamplingRequest(BaseModel):
             raise ApiError(400, f"{given[1][0]}: {names} both constrain the output; give one", given[1][0])
         param, constraint = given[0]
         try:
-            return RequestGrammar(StructuredOutputs(**constraint), param)
+            return RequestGrammar(StructuredOutputs.unparsed(**constraint), param)  # xgrammar parses it later
         except GrammarError as e:
             raise ApiError(400, f"{param}: {e.reason}", param) from None
 
