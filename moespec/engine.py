@@ -236,6 +236,9 @@ class Engine:
         """Validate and queue a request; across ranks, place it (it starts at the next step)."""
         return self.requests.add(prompt, params, request_id)
 
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return self.requests.encode(prompt)
+
     def abort(self, request_id: str) -> None:
         self.requests.abort(request_id)
 
