@@ -19,7 +19,6 @@ import re
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ARCHITECTURES = ("llama",)

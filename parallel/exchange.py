@@ -247,7 +247,7 @@ class EmulatedBuffer:
                      handle: EmulatedHandle) -> None:
         """x [T, M], topk_ids [T, A] -> each local expert's rows from every rank, into recv (and
         counts, handle)."""
-        (T, M), E, G, L = x.shape, self.num_experts, self.size, self.num_local
+        E, G, L = self.num_experts, self.size, self.num_local
         expert = topk_ids.flatten()  # [T*A]
         hits = (expert[:, None] == torch.arange(E, device=x.device)).long()  # [T*A, E] (F.one_hot checks ids on the host)
         slot = (hits.cumsum(0) * hits).sum(1) - 1  # [T*A] the pair's row among its expert's pairs; -1: none

@@ -1,6 +1,5 @@
 """Config files -> frozen dataclasses; unknown keys and bad values are errors naming the key."""
 import dataclasses
-import json
 import subprocess
 import sys
 

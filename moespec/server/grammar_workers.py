@@ -14,7 +14,6 @@ import asyncio
 import logging
 import multiprocessing
 import threading
-from multiprocessing.connection import Connection
 
 from starlette.concurrency import run_in_threadpool
 

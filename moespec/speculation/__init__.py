@@ -1,8 +1,6 @@
 """Speculative decoding modes behind one interface: none, mtp, draft."""
 from __future__ import annotations
 
-import torch
-
 from moespec.config import EngineConfig, tree_shapes
 from moespec.speculation.base import DraftRows, Proposal, Speculator
 from moespec.speculation.verify import VerifyResult, select_rows, verify_greedy, verify_lossless, verify_relaxed
