@@ -43,6 +43,10 @@ class SpeculativeSteps:
         self.spec_stats = SpecStats()
         self.ran_plain = False  # plain decode steps ran since the last speculative step
 
+    def draft_rows(self, seqs: list[Sequence]) -> DraftRows:
+        """The sampling rows of a step's drafts and verification, for these requests."""
+        return DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
+
     def speculate(self, prepared: PreparedStep) -> Verified:
         """The device side of a speculative step (a tree's: `grow`)."""
         start = time.perf_counter()
@@ -69,7 +73,7 @@ class SpeculativeSteps:
         `finish`."""
         start = time.perf_counter()
         seqs, k, batch, ctx = prepared.sampled, prepared.num_spec, prepared.batch, prepared.ctx
-        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
+        rows = self.draft_rows(seqs)
         self.progress.phase = f"{self.speculator.mode} propose"
         proposal = self.speculator.propose(seqs, k, rows)
         plan = prepared.plan
@@ -129,7 +133,7 @@ class SpeculativeSteps:
         appends in `finish`."""
         start = time.perf_counter()
         seqs, shape = prepared.sampled, prepared.tree
-        rows = DraftRows(seqs, self.vocab_size, self.runner.device, tuple(self.eos_ids), self.generator, self.grammars)
+        rows = self.draft_rows(seqs)
         self.progress.phase = f"{self.speculator.mode} propose tree"
         tree = self.speculator.propose_tree(seqs, shape, rows)
         if self.lockstep is not None:
