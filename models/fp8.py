@@ -199,22 +199,43 @@ def grouped_rows_linear(x: torch.Tensor, ends: torch.Tensor, weight: torch.Tenso
     return out
 
 
-def deep_gemm_masked(x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
-                     scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """x [E, C, K] (bf16, the fixed-capacity layout, the first counts[e] rows of expert e valid)
-    @ dequantized(weight [E, N, K])ᵀ -> [E, C, N] bf16 by DeepGEMM's masked grouped FP8 GEMM, which
-    reads the counts on the device and skips the other rows (their outputs are undefined); None
-    when DeepGEMM is not installed or the call is not one it takes. Untested on GPU."""
+def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(e4m3 [..., N, M], float32 scales [..., N, M/128]) -> [..., N, M] in dtype."""
+    *lead, N, M = values.shape
+    blocks = values.float().view(*lead, N, M // BLOCK, BLOCK) * scales[..., None]
+    return blocks.view(*lead, N, M).to(dtype)
+
+
+def deep_gemm_masked(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], counts: torch.Tensor,
+                     weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """x [E, C, K] (the fixed-capacity layout, the first counts[e] rows of expert e valid): bf16
+    rows, quantized here per 128 channels, or an FP8 dispatch's (e4m3 [E, C, K], float32 scales
+    [E, C, K/128]) pair, taken as it arrived (DeepEP's FP8 low-latency dispatch hands over the
+    layout DeepGEMM reads) @ dequantized(weight [E, N, K])ᵀ -> [E, C, N] bf16 by DeepGEMM's masked
+    grouped FP8 GEMM, which reads the counts on the device and skips the other rows (their outputs
+    are undefined); None when DeepGEMM is not installed or the call is not one it takes. Untested
+    on GPU."""
     deep_gemm = import_deep_gemm()
-    E, C, K = x.shape
-    if deep_gemm is None or not x.is_cuda or x.dtype != torch.bfloat16 or K % BLOCK:
+    values = x[0] if isinstance(x, tuple) else x
+    E, C, K = values.shape
+    if deep_gemm is None or not takes_deep_gemm(values) or K % BLOCK:
+        return None
+    if isinstance(x, tuple):
+        lhs = x
+    elif x.dtype == torch.bfloat16:
+        x_fp8, x_scales = quantize_per_token_group(x.reshape(E * C, K))
+        lhs = (x_fp8.view(E, C, K), x_scales.view(E, C, K // BLOCK))
+    else:
         return None
     gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_masked", None) or deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked
-    x_fp8, x_scales = quantize_per_token_group(x.reshape(E * C, K))
-    out = x.new_empty(E, C, weight.shape[1])
-    gemm((x_fp8.view(E, C, K), x_scales.view(E, C, K // BLOCK)), (weight, scale_inv.float()), out,
-         counts.to(torch.int32), C)
+    out = values.new_empty(E, C, weight.shape[1], dtype=torch.bfloat16)
+    gemm(lhs, (weight, scale_inv.float()), out, counts.to(torch.int32), C)
     return out
+
+
+def takes_deep_gemm(x: torch.Tensor) -> bool:
+    """Whether DeepGEMM's kernels can read x: CUDA tensors only."""
+    return x.is_cuda
 
 
 @functools.cache

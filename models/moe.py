@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, fp8_linear, grouped_rows_linear,
-                                scale_shape)
+from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, dequantize_rows, fp8_linear,
+                                grouped_rows_linear, scale_shape)
 from moespec.models.layers import PackedWeight, fixed_shapes, linear, packable
 from moespec.models.weights import WeightError
 
@@ -179,20 +179,25 @@ class LocalExperts(nn.Module):
         weighted = y * topk_weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted)  # [T, M]
 
-    def forward_masked(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_masked(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], counts: torch.Tensor | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """The fixed-capacity layout: x [L, N, M] holds each local expert's rows, the first
         counts[e] (a device tensor, never read on the host) valid, or all of them when counts is
         None -> unweighted outputs [L, N, M], rows past a count zero (DeepGEMM: undefined; nobody
         reads them). The shapes never depend on the counts, so a captured step holds the call.
+        x may be an FP8 dispatch's (e4m3 rows, per-128 scales) pair, dispatched from dtype rows.
         With counts the work follows them: DeepGEMM's masked grouped FP8 GEMM where it is installed
-        (CUDA), else the valid rows gathered in front and one grouped GEMM per projection
-        (`forward_valid_rows`; on CUDA in bf16 only, grouped_mm's kernel there)."""
-        if counts is None:
-            return self.forward_every_row(x)
-        if self.w13_scale_inv is not None:
+        (CUDA), which takes an FP8 pair as it arrived; else the rows (dequantized) gathered valid
+        ones first and one grouped GEMM per projection (`forward_valid_rows`; on CUDA in bf16 only,
+        grouped_mm's kernel there)."""
+        if counts is not None and self.w13_scale_inv is not None:
             out = self.forward_deep_gemm(x, counts)
             if out is not None:
                 return out
+        if isinstance(x, tuple):
+            x = dequantize_rows(*x, dtype or torch.bfloat16)  # [L, N, M]
+        if counts is None:
+            return self.forward_every_row(x)
         if x.device.type == "cpu" or x.dtype == torch.bfloat16:
             return self.forward_valid_rows(x, counts)
         return self.forward_every_row(x)
@@ -219,7 +224,8 @@ class LocalExperts(nn.Module):
         y.masked_fill_(~valid[:, None], 0)  # rows past the last valid one were not computed
         return torch.empty_like(y).index_copy_(0, order, y).view(L, N, M)
 
-    def forward_deep_gemm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    def forward_deep_gemm(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                          counts: torch.Tensor) -> torch.Tensor | None:
         """Both projections by DeepGEMM's masked grouped FP8 GEMM -> [L, N, M], or None where it
         does not run (`deep_gemm_masked`). Untested on GPU."""
         gate_up = deep_gemm_masked(x, counts, self.w13, self.w13_scale_inv)  # [L, N, 2I]

@@ -30,7 +30,7 @@ from moespec.models.moe import LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
 from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange, Received,
-                                       aligned_capacity, dequantize_rows)
+                                       aligned_capacity)
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -370,7 +370,7 @@ class EPExperts(LocalExperts):
             combine = self.runtime.stream.submit("combine", self.combine, self.compute(received), received)
         else:
             rows = self.shard_of(slice(0, num_tokens))
-            y = self.forward_masked(masked_rows(received), received.counts)  # [L, G*C, M]
+            y = self.forward_masked(received.x, received.counts, received.dtype)  # [L, G*C, M]
             combine = self.runtime.exchange(self.num_experts).combine(y, topk_ids[rows], topk_weights[rows], received)
         return self.gathered(combine, num_tokens)
 
@@ -444,15 +444,6 @@ class Gathered:
 
     def wait(self) -> torch.Tensor:
         return self.runtime.stream.run("gather", self.runtime.gather, self.combine.wait(), self.num_tokens)
-
-
-def masked_rows(received: Received) -> torch.Tensor:
-    """The received rows as `forward_masked` takes them [L, G*C, M]: an FP8 dispatch's (e4m3
-    rows, per-128 scales) dequantized to the dispatched dtype (the CPU reference; a GPU's FP8
-    grouped GEMM takes the pair itself)."""
-    if isinstance(received.x, tuple):
-        return dequantize_rows(*received.x, received.dtype)
-    return received.x
 
 
 def check_device(device: torch.device, **tensors: torch.Tensor) -> None:

@@ -336,13 +336,6 @@ def quantize_per_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.view(T, M), amax / FP8_MAX
 
 
-def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(e4m3 [..., N, M], float32 scales [..., N, M/128]) -> [..., N, M] in dtype."""
-    *lead, N, M = values.shape
-    blocks = values.float().view(*lead, N, M // BLOCK, BLOCK) * scales[..., None]
-    return blocks.view(*lead, N, M).to(dtype)
-
-
 def token_bytes(x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
     """x [T, M] -> each token's bytes on the wire [T, W]: its rows, or (FP8) its e4m3 rows and scales."""
     if not use_fp8:

@@ -251,6 +251,53 @@ def test_masked_experts_compute_only_the_valid_rows_and_replay_with_other_counts
     assert expected[0].abs().sum() > 0 and not expected[2].any()
 
 
+def test_an_fp8_dispatch_goes_into_the_masked_fp8_gemm_as_it_arrived(monkeypatch):
+    """DeepEP's FP8 low-latency dispatch hands the experts (e4m3 rows, per-128 scales): with FP8
+    weights, DeepGEMM's masked grouped GEMM takes that pair itself (its very storage, never
+    dequantized and quantized again); the second projection's activations are quantized here.
+    DeepGEMM is stood in for by a function with its signature (its kernels need CUDA) that
+    computes the dequantized products of the valid rows; without it the pair is dequantized,
+    and both give the same rows."""
+    from moespec.models import fp8
+    from moespec.models.moe import LocalExperts
+    from moespec.parallel.exchange import quantize_per_block
+    torch.manual_seed(0)
+    L, N, M, I = 3, 8, 256, 128
+    experts = LocalExperts(L, M, I)
+    pairs = {name: [quantize_fp8_block(w) for w in getattr(experts, name).data] for name in ("w13", "w2")}
+    experts.to_fp8()
+    for name, qs in pairs.items():
+        getattr(experts, name).data.copy_(torch.stack([q for q, _ in qs]))
+        getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([s for _, s in qs]))
+    values, scales = quantize_per_block(torch.randn(L * N, M, dtype=torch.bfloat16))
+    received = (values.view(L, N, M), scales.view(L, N, M // 128))
+    counts = torch.tensor([8, 0, 3])
+    calls = []
+
+    def masked_gemm(lhs, rhs, out, masked_m, expected_m):
+        calls.append(lhs)
+        (a, a_scales), (b, b_scales) = lhs, rhs
+        assert a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        assert masked_m.dtype == torch.int32 and expected_m == N
+        rows = fp8.dequantize_rows(a, a_scales, torch.float32)  # [L, N, K]
+        for e in range(L):
+            weight = dequantize_fp8_block(b[e], b_scales[e], torch.float32)
+            out[e, :masked_m[e]] = (rows[e, :masked_m[e]] @ weight.t()).to(out.dtype)
+
+    monkeypatch.setattr(fp8, "import_deep_gemm", lambda: type("DeepGEMM", (), {
+        "m_grouped_fp8_gemm_nt_masked": staticmethod(masked_gemm)}))
+    monkeypatch.setattr(fp8, "takes_deep_gemm", lambda x: True)
+    got = experts.forward_masked(received, counts, torch.bfloat16)
+    assert len(calls) == 2
+    assert calls[0][0].data_ptr() == values.data_ptr() and calls[0][1].data_ptr() == scales.data_ptr()
+    assert calls[1][0].shape == (L, N, I)  # the activations, quantized for the down projection
+    monkeypatch.setattr(fp8, "import_deep_gemm", lambda: None)
+    expected = experts.forward_masked(received, counts, torch.bfloat16)
+    assert len(calls) == 2 and expected.dtype == torch.bfloat16
+    for e, count in enumerate(counts.tolist()):
+        torch.testing.assert_close(got[e, :count].float(), expected[e, :count].float(), rtol=0.05, atol=0.02)
+
+
 # ---------------------------------------------------------------------- a model kept in FP8
 
 

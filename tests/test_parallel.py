@@ -464,7 +464,8 @@ def test_capacity_is_aligned_for_deepep():
 def test_fp8_dispatch_casts_rows_as_deepep():
     """Per 128 channels of a row: scale = max(|x|, 1e-4) / 448 and e4m3 values; dequantized,
     each value is within e4m3's rounding (3 mantissa bits: 1/16 relative, or the subnormal step)."""
-    from moespec.parallel.exchange import dequantize_rows, quantize_per_block
+    from moespec.models.fp8 import dequantize_rows
+    from moespec.parallel.exchange import quantize_per_block
     x = torch.randn(5, 512) * torch.logspace(-3, 3, 5)[:, None]
     x[0, :128] = 0  # an all-zero block takes the margin
     values, scales = quantize_per_block(x)
@@ -482,7 +483,8 @@ def test_fp8_dispatch_feeds_the_experts_fp8_rows_and_scales():
     in DeepEP's column-major layout), about half a bf16 dispatch's bytes; the layer's output is the
     experts over the dequantized rows. A hidden size DeepEP cannot cast (% 512) is refused."""
     from moespec.models.moe import LocalExperts
-    from moespec.parallel.exchange import dequantize_rows, quantize_per_block
+    from moespec.models.fp8 import dequantize_rows
+    from moespec.parallel.exchange import quantize_per_block
     runtime = local_runtime(max_tokens_per_rank=8, fp8_dispatch=True)
     try:
         torch.manual_seed(0)

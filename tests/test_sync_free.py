@@ -98,9 +98,9 @@ def test_a_host_read_in_the_moe_layer_is_caught(runtime, monkeypatch):
     """Put a `.tolist()` back into the MoE layer (as `bincount().tolist()` was): the forward fails."""
     masked = EPExperts.forward_masked
 
-    def with_host_read(self, x, counts):
+    def with_host_read(self, x, counts, dtype=None):
         counts.tolist()  # what a per-expert Python loop over the received counts would do
-        return masked(self, x, counts)
+        return masked(self, x, counts, dtype)
     monkeypatch.setattr(EPExperts, "forward_masked", with_host_read)
     with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
         run_forwards(deepseek_on_meta(runtime), runtime, "decode", 1)
