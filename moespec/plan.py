@@ -294,8 +294,9 @@ def deepep_components(config: EngineConfig, model_config) -> list[Component]:
     if p.moe_backend != "deepep" or p.ep_size == 1 or model_config.model_type != "deepseek_v3":
         return []
     from moespec.distributed import dispatch_capacity
+    from moespec.parallel.exchange import aligned_capacity
 
-    tokens = dispatch_capacity(config)  # EPRuntime.max_tokens_per_rank
+    tokens = aligned_capacity(dispatch_capacity(config), p.ep_size)  # EPRuntime.max_tokens_per_rank
     M, E = model_config.hidden_size, model_config.n_routed_experts
     return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
                       f"LowLatencyLayout for {tokens} tokens per rank x {E} experts x hidden {M}"),

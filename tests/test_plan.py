@@ -70,6 +70,21 @@ def test_deepseek_v3_on_8_h200s_says_whether_it_fits_and_why():
     assert not four.fits and four.problem.startswith("weights (float8_e4m3fn)") and "crosses the budget" in four.problem
 
 
+def test_the_deepep_buffer_is_planned_for_the_capacity_the_runtime_rounds_to():
+    """DeepEP asserts (num_ranks * C) % 4 == 0, so the runtime rounds C up (`aligned_capacity`):
+    33 requests x (1 + k + 1) = 99 tokens per rank at EP 2 become 100, and the plan counts the
+    buffer for 100."""
+    from moespec.models.weights import read_hf_config
+    from moespec.plan import deepep_components, deepep_low_latency_bytes
+    from moespec.models.deepseek_v3 import DeepseekV3Config
+    config = deepseek_config(**{"parallel.ep_size": 2, "scheduler.max_num_seqs": 33,
+                                "speculation.mode": "mtp", "speculation.num_speculative_tokens": 1})
+    model_config = DeepseekV3Config.from_hf(read_hf_config(config.model.path))
+    buffer = {c.name: c.bytes for c in deepep_components(config, model_config)}["DeepEP low-latency buffer"]
+    M, E = model_config.hidden_size, model_config.n_routed_experts
+    assert buffer == deepep_low_latency_bytes(100, M, E) > deepep_low_latency_bytes(99, M, E)
+
+
 def test_plan_cli_json():
     run = subprocess.run([sys.executable, "-m", "moespec", "plan", "--config", str(DEEPSEEK), "--set",
                           "parallel.ep_size=16", "--gpu-memory", "141GB", "--json"], capture_output=True, text=True,
