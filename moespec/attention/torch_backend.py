@@ -49,7 +49,8 @@ class TorchPagedAttention:
             self.plan_uniform(meta, T // B)
             return
         q_lens = meta.q_lens()  # [B]
-        request_of_token = torch.repeat_interleave(torch.arange(B, device=meta.positions.device), q_lens)  # [T]
+        request_of_token = torch.repeat_interleave(torch.arange(B, device=meta.positions.device), q_lens,
+                                                   output_size=T)  # [T]
         page_pos = meta.kv_indptr[request_of_token] + meta.positions // S
         self.slots = meta.kv_indices[page_pos] * S + meta.positions % S  # [T] cache rows written
         one_query = q_lens == 1  # [B]
@@ -137,7 +138,8 @@ class TorchPagedAttention:
             # a single request needs no mask at all
             return Group(rows, kv_slots, None if B == 1 else kv_valid[:, None, None, :], (B, 1), None)
         device = meta.positions.device
-        request_of_token = torch.repeat_interleave(torch.arange(B, device=device), q_lens)  # [T]
+        request_of_token = torch.repeat_interleave(torch.arange(B, device=device), q_lens,
+                                                   output_size=meta.positions.numel())  # [T]
         q_offset = torch.arange(meta.positions.numel(), device=device) - meta.qo_indptr[request_of_token]
         out_index = request_of_token * max_q + q_offset  # [T] row in the padded [B*Qmax] layout
         q_pos = torch.full((B * max_q,), -1, dtype=torch.int64, device=device)
