@@ -10,11 +10,18 @@ shared and frozen. Two layouts:
 - `rmsnorm` (DeepSeek MTP layout): eh_proj(concat(enorm(emb), hnorm(hidden))) -> full decoder
   layer -> final norm -> lm_head.
 
-A head directory holds `config.json` (`model_type: "mtp_head"`, `head_architecture`,
-`base_model_type` and the decoder layer's HF config keys) and `model.safetensors` with the head's
-weights only.
+A head may draft over a reduced vocabulary (`draft_vocab_size` N > 0, the ids in its `draft_vocab`
+buffer, e.g. the target's most frequent output tokens): its logits are then the lm_head rows of
+those N tokens alone, an N/V share of the full projection, and every other token gets a draft
+probability of exactly 0 (a logit far below any real one: it underflows in the softmax, yet a row
+whose draft tokens are all masked, by a grammar say, still has a distribution). Verification
+keeps the target's full distribution, so speculation stays lossless.
 
-Shapes legend: T tokens, M hidden, V vocab.
+A head directory holds `config.json` (`model_type: "mtp_head"`, `head_architecture`,
+`base_model_type`, `draft_vocab_size` and the decoder layer's HF config keys) and
+`model.safetensors` with the head's weights only (and `draft_vocab`, int64).
+
+Shapes legend: T tokens, M hidden, V vocab, N draft vocab.
 """
 from __future__ import annotations
 
@@ -34,6 +41,10 @@ from moespec.models.weights import KVSpec, WeightError, WeightLoader, read_hf_co
 
 HEAD_ARCHITECTURES = ("eagle", "rmsnorm")
 BASE_CONFIGS = {"llama": LlamaConfig, "deepseek_v3": DeepseekV3Config}
+# A token outside a head's draft vocabulary: exp(-1e4 - max) is 0 in float32 beside any real logit,
+# and stays finite through temperatures, penalties and biases, so a row whose draft tokens are all
+# masked still has a distribution (over the tokens the mask allows).
+OUTSIDE_DRAFT_VOCAB = -1.0e4
 # Keys of the target's config.json that describe its decoder layer; a head keeps only these.
 LAYER_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -47,6 +58,8 @@ class MTPHeadConfig:
     head_architecture: str
     base_model_type: str
     layer: dict  # HF config keys of the decoder layer (the target's, dense MLP)
+    draft_vocab_size: int = 0  # N > 0: the head drafts over N token ids (its draft_vocab); 0: all
+
 
     def __post_init__(self) -> None:
         if self.head_architecture not in HEAD_ARCHITECTURES:
@@ -55,24 +68,28 @@ class MTPHeadConfig:
         if self.base_model_type not in BASE_CONFIGS:
             raise ValueError(f"base_model_type {self.base_model_type!r} is not supported; "
                              f"allowed: {sorted(BASE_CONFIGS)}")
+        if not 0 <= self.draft_vocab_size <= self.layer.get("vocab_size", self.draft_vocab_size):
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is not in [0, vocab_size "
+                             f"{self.layer.get('vocab_size')}]")
 
     @classmethod
-    def for_target(cls, target_hf: dict, head_architecture: str) -> "MTPHeadConfig":
+    def for_target(cls, target_hf: dict, head_architecture: str, draft_vocab_size: int = 0) -> "MTPHeadConfig":
         """A head for the target whose config.json is `target_hf`; DeepSeek heads use a dense MLP."""
         layer = {k: target_hf[k] for k in LAYER_KEYS if target_hf.get(k) is not None}
-        return cls(head_architecture, target_hf["model_type"], layer)
+        return cls(head_architecture, target_hf["model_type"], layer, draft_vocab_size)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "MTPHeadConfig":
         if hf.get("model_type") != "mtp_head":
             raise WeightError(f"config.json model_type {hf.get('model_type')!r} is not 'mtp_head'")
         layer = {k: v for k, v in hf.items() if k not in ("model_type", "head_architecture", "base_model_type",
-                                                           "num_hidden_layers", "architectures")}
-        return cls(hf["head_architecture"], hf["base_model_type"], layer)
+                                                           "num_hidden_layers", "architectures", "draft_vocab_size")}
+        return cls(hf["head_architecture"], hf["base_model_type"], layer, int(hf.get("draft_vocab_size", 0)))
 
     def to_hf(self) -> dict:
         return {"model_type": "mtp_head", "head_architecture": self.head_architecture,
-                "base_model_type": self.base_model_type, "num_hidden_layers": 1, **self.layer}
+                "base_model_type": self.base_model_type, "num_hidden_layers": 1,
+                "draft_vocab_size": self.draft_vocab_size, **self.layer}
 
     def base_config(self) -> LlamaConfig | DeepseekV3Config:
         hf = {**self.layer, "model_type": self.base_model_type, "num_hidden_layers": 1}
@@ -100,6 +117,10 @@ class MTPHead(nn.Module):
         if config.head_architecture == "eagle":
             self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1 drops the first layer's input norm
         self.rotary_emb = build_rotary(base)
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))  # [N] token ids
+        else:
+            self.draft_vocab = None
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -141,6 +162,7 @@ class MTPHeadModel(nn.Module):
         check_head_fits(target, head)
         self.target = target
         self.head = head
+        self.draft_lm_head = draft_lm_head(target, head.draft_vocab)
 
     @property
     def num_mtp_layers(self) -> int:
@@ -152,11 +174,28 @@ class MTPHeadModel(nn.Module):
         return self.head(self.target.embed(next_ids), hidden, positions, ctx)
 
     def compute_mtp_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, M] -> logits [T, V]: the target's lm_head, or over a reduced vocabulary the
+        draft tokens' rows alone, every other token OUTSIDE_DRAFT_VOCAB (draft probability 0)."""
         check_index(index)
-        return self.target.compute_logits(hidden)
+        if self.draft_lm_head is None:
+            return self.target.compute_logits(hidden)
+        draft = self.draft_lm_head(hidden)  # [T, N]
+        logits = draft.new_full((hidden.shape[0], self.target.config.vocab_size), OUTSIDE_DRAFT_VOCAB)  # [T, V]
+        return logits.index_copy_(1, self.head.draft_vocab, draft)
 
     def kv_cache_spec(self) -> list[KVSpec]:
         return self.head.kv_cache_spec()
+
+
+def draft_lm_head(target: nn.Module, draft_vocab: torch.Tensor | None) -> Linear | None:
+    """The rows of the target's lm_head for the draft vocabulary [N] as their own projection
+    [N, M] (a copy: N/V of the lm_head's bytes), or None for the full vocabulary."""
+    if draft_vocab is None:
+        return None
+    weight = target.lm_head.weight.detach()
+    projection = Linear(weight.shape[1], draft_vocab.numel()).to(device=weight.device, dtype=weight.dtype)
+    projection.weight = nn.Parameter(weight.index_select(0, draft_vocab.to(weight.device)), requires_grad=False)
+    return projection
 
 
 def check_index(index: int) -> None:
@@ -185,7 +224,8 @@ def save_mtp_head(head: MTPHead, out_dir: str | Path, dtype: torch.dtype = torch
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = unmerge_tensors(head, head.state_dict())  # q/k/v and gate/up under their own names
-    tensors = {n: t.detach().to(dtype).contiguous().clone() for n, t in state.items()}
+    tensors = {n: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous().clone()
+               for n, t in state.items()}  # the draft vocabulary's ids stay integers
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {**head.config.to_hf(), "torch_dtype": str(dtype).removeprefix("torch."), **(extra_config or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

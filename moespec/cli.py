@@ -4,7 +4,7 @@
   moespec serve    --config C [--host H] [--port P] [--api-key K]
   moespec bench    --config C --modes none,mtp --batch-sizes 1,4,16 --out results.json
   moespec plan     --config C [--gpu-memory 141GB] [--json]
-  moespec train-tokenizer | train-model | train-mtp-head | eval-head ...
+  moespec train-tokenizer | train-model | distill | train-mtp-head | eval-head ...
 
 Any config key can be overridden with `--set section.key=value` (repeatable; nested keys too:
 `--set speculation.tree.top_k=4`).
@@ -25,6 +25,7 @@ LAZY_COMMANDS = {
     "plan": ("moespec.plan", "per-rank memory of a deployment from config.json alone: weights, KV cache, buffers"),
     "train-tokenizer": ("moespec.training.tokenizer", "train the byte-level BPE tokenizer"),
     "train-model": ("moespec.training.train_model", "train a tiny target or draft model"),
+    "distill": ("moespec.training.distill", "self-distillation data: a target's answers to prompts, for its MTP head"),
     "train-mtp-head": ("moespec.training.train_mtp_head", "train an MTP head for a frozen target"),
     "eval-head": ("moespec.training.evaluate", "evaluate a target and its MTP head through the inference code"),
 }

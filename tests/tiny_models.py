@@ -67,18 +67,22 @@ def save_tiny_llama(path, seed: int = 0, layers: int = 3, hidden: int = 64) -> L
     return model
 
 
-def save_random_mtp_head(target: str, path, arch: str = "rmsnorm") -> str:
+def save_random_mtp_head(target: str, path, arch: str = "rmsnorm", draft_vocab: list[int] | None = None) -> str:
     """A random external MTP head for the target checkpoint `target` (norms at one, weights small),
-    saved at `path`; returns the path as a string."""
+    drafting over `draft_vocab` (token ids) or the whole vocabulary, saved at `path`; returns the
+    path as a string."""
     import json
     from pathlib import Path
 
     from moespec.models.mtp_head import MTPHead, MTPHeadConfig, save_mtp_head
 
     torch.manual_seed(3)
-    head = MTPHead(MTPHeadConfig.for_target(json.loads((Path(target) / "config.json").read_text()), arch))
+    target_hf = json.loads((Path(target) / "config.json").read_text())
+    head = MTPHead(MTPHeadConfig.for_target(target_hf, arch, len(draft_vocab or ())))
     with torch.no_grad():
         for name, param in head.named_parameters():
             param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.1)
+        if draft_vocab:
+            head.draft_vocab.copy_(torch.tensor(draft_vocab))
     save_mtp_head(head, path, dtype=torch.float32)
     return str(path)

@@ -21,6 +21,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,7 +135,10 @@ def compare_with_transformers(model_dir: Path, window: torch.Tensor) -> float:
 
 
 def load_heldout(windows: int, window_len: int, tokenizer: Path = DEFAULT_TOKENIZER,
-                 max_bytes: int | None = None) -> torch.Tensor:
+                 max_bytes: int | None = None, data: Path | None = None) -> torch.Tensor:
+    """Held-out windows [N, W] of the project corpus, or of `moespec distill`'s data in `data`."""
+    if data is not None:
+        return heldout_windows(np.load(Path(data) / "heldout.npy"), window_len, windows)
     _, heldout = load_streams(CorpusSpec(max_bytes=max_bytes), tokenizer)
     return heldout_windows(heldout, window_len, windows)
 

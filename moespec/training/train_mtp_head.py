@@ -1,6 +1,13 @@
 """Train an MTP head for a frozen target, or fine-tune the target's own MTP layer.
 
-Command: `moespec train-mtp-head --target DIR --out DIR [--arch eagle|rmsnorm|builtin] [--minutes N]`.
+Command: `moespec train-mtp-head --target DIR --out DIR [--arch eagle|rmsnorm|builtin] [--minutes N]
+[--data DIR] [--draft-vocab N]`.
+
+The training text is the project's corpus, or with `--data DIR` the token streams `moespec distill`
+wrote there (the target's own answers: self-distillation). `--draft-vocab N` makes the head draft
+over the N tokens most frequent in those answers (`answer_counts.npy`; without it, in the training
+windows): the head is trained on the full vocabulary and its draft logits are then restricted to
+those rows (models/mtp_head.py).
 
 The target's final hidden states are precomputed once with the inference forward (`ModelRunner`
 over the paged cache) and cached. The head sees, at position i, the embedding of token i+1 and
@@ -28,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -79,8 +87,8 @@ def precompute_hidden(target: nn.Module, windows: torch.Tensor, batch_size: int 
 def cached_hidden(target_dir: Path, target: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """precompute_hidden, cached by the target's weights and the windows."""
     digest = hashlib.sha1()
-    target = Path(target_dir)
-    files = [target] if target.is_file() else sorted(target.glob("*.safetensors")) + sorted(target.glob("*.gguf"))
+    source = Path(target_dir)
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) + sorted(source.glob("*.gguf"))
     for file in files:
         digest.update(file.read_bytes())
     digest.update(windows.numpy().tobytes())
@@ -94,10 +102,31 @@ def cached_hidden(target_dir: Path, target: nn.Module, windows: torch.Tensor) ->
     return hidden
 
 
-def train_windows(count: int, window: int, seed: int, tokenizer: Path, max_bytes: int | None) -> torch.Tensor:
-    train, _ = load_streams(CorpusSpec(max_bytes=max_bytes), tokenizer)
+def train_windows(count: int, window: int, seed: int, tokenizer: Path, max_bytes: int | None,
+                  data: Path | None = None) -> torch.Tensor:
+    train, _ = read_streams(tokenizer, max_bytes, data)
     rows = cut_windows(train, window, seed=seed)[:count]  # [N, W]
     return torch.from_numpy(rows.astype("int64"))
+
+
+def read_streams(tokenizer: Path, max_bytes: int | None, data: Path | None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) token streams: `moespec distill`'s in `data`, or the project corpus's."""
+    if data is None:
+        return load_streams(CorpusSpec(max_bytes=max_bytes), tokenizer)
+    return np.load(Path(data) / "train.npy"), np.load(Path(data) / "heldout.npy")
+
+
+def most_frequent_tokens(count: int, windows: torch.Tensor, vocab_size: int, data: Path | None) -> torch.Tensor:
+    """The `count` token ids most frequent in the distilled answers (`answer_counts.npy` in
+    `data`) or else in the training windows, ascending -> [N] int64."""
+    if count > vocab_size:
+        raise ValueError(f"--draft-vocab {count} is more than the target's vocabulary of {vocab_size}")
+    counts_file = Path(data) / "answer_counts.npy" if data is not None else None
+    if counts_file is not None and counts_file.is_file():
+        counts = torch.from_numpy(np.load(counts_file))
+    else:
+        counts = torch.bincount(windows.flatten(), minlength=vocab_size)
+    return counts.topk(count).indices.sort().values
 
 
 # ---------------------------------------------------------------- training
@@ -198,10 +227,14 @@ def save_with_builtin_layer(target: nn.Module, target_dir: Path, out: Path) -> N
         copy_tokenizer(target_dir, out)
 
 
-def build_head(target_dir: Path, architecture: str, seed: int) -> MTPHead:
+def build_head(target_dir: Path, architecture: str, seed: int, draft_vocab: torch.Tensor | None = None) -> MTPHead:
+    """A fresh head; with draft_vocab [N] (token ids) drafting over those tokens alone."""
     torch.manual_seed(seed)
-    head = MTPHead(MTPHeadConfig.for_target(read_hf_config(target_dir), architecture))
+    size = 0 if draft_vocab is None else draft_vocab.numel()
+    head = MTPHead(MTPHeadConfig.for_target(read_hf_config(target_dir), architecture, size))
     init_weights(head)
+    if draft_vocab is not None:
+        head.draft_vocab.copy_(draft_vocab)
     return head
 
 
@@ -220,6 +253,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-windows", type=int, default=48)
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--max-bytes", type=int, default=None)
+    parser.add_argument("--data", type=Path, default=None,
+                        help="train on `moespec distill`'s token streams in this directory instead of the corpus")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="draft over the N most frequent answer tokens (0: the whole vocabulary)")
     parser.add_argument("--minutes", type=float, default=None, help="training time budget")
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -234,15 +271,20 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     target = load_model(args.target, show_progress=False)
-    windows = train_windows(args.train_windows, args.window_len, args.seed + 1, args.tokenizer, args.max_bytes)
+    windows = train_windows(args.train_windows, args.window_len, args.seed + 1, args.tokenizer, args.max_bytes,
+                            args.data)
     hidden = cached_hidden(args.target, target, windows)
     builtin = args.arch == "builtin"
-    head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed)
+    if builtin and args.draft_vocab:
+        raise ValueError("--draft-vocab applies to a trained head, not to --arch builtin")
+    draft_vocab = (most_frequent_tokens(args.draft_vocab, windows, target.config.vocab_size, args.data)
+                   if args.draft_vocab else None)
+    head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed, draft_vocab)
     settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
                                  max_steps=args.max_steps, minutes=args.minutes, precision=args.precision,
                                  seed=args.seed)
     history = train_head(target, head, windows, hidden, settings)
-    heldout = load_heldout(args.eval_windows, args.window_len, args.tokenizer, args.max_bytes)
+    heldout = load_heldout(args.eval_windows, args.window_len, args.tokenizer, args.max_bytes, args.data)
     if builtin:
         save_with_builtin_layer(target, args.target, args.out)
         model = load_model(args.out, show_progress=False)
