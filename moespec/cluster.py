@@ -62,6 +62,7 @@ class Update:
     stop_reason: int | str | None = None
     # preemptions, draft, accepted tokens, spec steps, prompt tokens found in the prefix cache (-1: none yet)
     counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, -1)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, in the update that completes the prompt
 
 
 class ChannelError(RuntimeError):
@@ -145,6 +146,7 @@ class Sent:
     tokens: int = 0
     logprobs: int = 0
     text: str = ""
+    prompt: bool = False  # its prompt logprobs
 
 
 @dataclass
@@ -292,6 +294,8 @@ class Cluster:
                         seq.stop_reason, (m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens,
                                           m.num_spec_steps,
                                           -1 if m.num_cached_tokens is None else m.num_cached_tokens))
+        if seq.prompt_logprobs is not None and not sent.prompt and (known or seq.is_finished):
+            update.prompt_logprobs, sent.prompt = seq.prompt_logprobs, True
         sent.tokens, sent.logprobs, sent.text = known, len(seq.logprobs), seq.text
         if seq.is_finished:
             del self.progress[seq.request_id]
@@ -327,6 +331,8 @@ def apply_update(seq: Sequence, update: Update) -> None:
     seq.status = Status.RUNNING
     seq.output_ids += update.token_ids
     seq.logprobs += update.logprobs
+    if update.prompt_logprobs is not None:
+        seq.prompt_logprobs = update.prompt_logprobs
     seq.text = seq.text[:update.text_keep] + update.text_tail
     seq.streamable_chars = update.streamable_chars
     m = seq.metrics

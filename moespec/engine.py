@@ -39,6 +39,7 @@ from moespec.overlap import InFlight
 from moespec.overlap_driver import OverlapDriver
 from moespec.parallel import ep_experts_factory
 from moespec.plan import resolve_kv_pages
+from moespec.prompt_logprobs import record_prompt_logprobs
 from moespec.requests import Requests
 from moespec.sampling import Sampler, SamplerOutput, SamplingBatch, SamplingParams
 from moespec.scheduler import Scheduler, SchedulerOutput
@@ -447,6 +448,8 @@ class Engine:
             self.lockstep.pad_mtp(plan.mtp_before)
         self.progress.phase = f"target forward ({prepared.batch.mode})"
         hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
+        if prepared.batch.mode != "decode":
+            record_prompt_logprobs(self.model, hidden, prepared.scheduled.chunks, prepared.batch.qo_bounds)
         self.speculator.observe(prepared.scheduled.chunks, prepared.batch, hidden)
         if observed is not None:
             observed.set()

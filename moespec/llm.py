@@ -63,7 +63,8 @@ class LLM:
     def collect(prompt: Prompt, group: list) -> RequestOutput:
         outputs = [CompletionOutput.from_sequence(i, seq) for i, seq in enumerate(group)]
         request_id = group[0].request_id.rsplit("-", 1)[0]
-        return RequestOutput(request_id, prompt if isinstance(prompt, str) else None, group[0].prompt_ids, outputs)
+        return RequestOutput(request_id, prompt if isinstance(prompt, str) else None, group[0].prompt_ids, outputs,
+                             group[0].prompt_logprobs)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

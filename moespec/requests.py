@@ -14,6 +14,7 @@ from moespec.cluster import Abort, Add, Cluster
 from moespec.detokenizer import IncrementalDetokenizer, StopChecker
 from moespec.distributed import Lockstep
 from moespec.overlap import PENDING
+from moespec.prompt_logprobs import prompt_logprob_slots, wants_prompt_logprobs
 from moespec.sampling import SamplingParams
 from moespec.scheduler import Scheduler
 from moespec.sequence import Sequence, Status, TokenLogprob
@@ -74,6 +75,8 @@ class Requests:
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         if params.structured is not None:
             seq.grammar = self.grammars.matcher(params.structured)
+        if wants_prompt_logprobs(seq):
+            seq.prompt_logprobs = prompt_logprob_slots(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -133,6 +136,9 @@ class Requests:
         now = time.monotonic()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
+        if seq.params.max_tokens == 0:  # the prompt scored (prompt logprobs), nothing generated
+            self.finish(seq, "length")
+            return
         for token, lp in zip(tokens, logprobs):
             if seq.grammar is not None and not seq.grammar.accept(token):
                 logger.warning("request %s: its grammar allows no token after %d output tokens; ending it",

@@ -53,6 +53,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; 0 = the chosen token's; k = also the top k
+    prompt_logprobs: int | None = None  # the same, for every prompt token (moespec.prompt_logprobs)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # requests share cached KV pages only with requests of the same salt
@@ -79,8 +80,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _require(self.n >= 1, "n", self.n, "must be >= 1")
-        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
-                 "must be >= 1 or None")
+        _require(self.max_tokens is None or self.max_tokens >= 1 or self.max_tokens == 0 and self.prompt_logprobs
+                 is not None, "max_tokens", self.max_tokens,
+                 "must be >= 1 or None (0 only with prompt_logprobs: the prompt is scored, nothing generated)")
         _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
@@ -103,6 +105,8 @@ class SamplingParams:
             _require(isinstance(t, int) and t >= 0, "stop_token_ids", t, "entries must be ints >= 0")
         _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                  f"must be None or in [0, {MAX_LOGPROBS}]")
+        _require(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                 self.prompt_logprobs, f"must be None or in [0, {MAX_LOGPROBS}]")
         _require(self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt != "", "cache_salt",
                  self.cache_salt, "must be a non-empty string or None")
         _require(self.structured is None or self.min_tokens == 0, "min_tokens", self.min_tokens,

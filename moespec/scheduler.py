@@ -221,8 +221,9 @@ class Scheduler:
 
     def find_cached(self, seq: Sequence) -> tuple[list[int], int]:
         """The cached pages seq can start with (leaving at least one token to compute), and how
-        many of their tokens have the speculator's KV too."""
-        if self.keys is None:
+        many of their tokens have the speculator's KV too. None for a request that wants prompt
+        logprobs: a cached page has no logits to score its tokens with."""
+        if self.keys is None or seq.params.prompt_logprobs is not None:  # its prompt's logits are needed
             return [], 0
         keys = self.keys.update(seq)[: (seq.num_tokens - 1) // self.allocator.page_size]
         pages = self.allocator.lookup(keys)

@@ -23,6 +23,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: dict[int, float]  # top-n alternatives: token id -> logprob
+    rank: int | None = None  # the token's rank in the vocabulary (1 = most likely); prompt logprobs set it
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # per prompt token (entry 0 None) when params.prompt_logprobs is set (moespec.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     detokenizer: object | None = None
     stop_checker: object | None = None
