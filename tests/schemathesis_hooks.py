@@ -34,6 +34,8 @@ def satisfies_described_constraints(body: dict, chat: bool) -> bool:
         return False
     if chat and body.get("top_logprobs") is not None and not body.get("logprobs"):
         return False
+    if not chat and max_tokens == 0 and not body.get("echo") and body.get("prompt_logprobs") is None:
+        return False
     if any(int(token) >= VOCAB_SIZE for token in (body.get("logit_bias") or {})):
         return False
     if not structured_output_compiles(body):

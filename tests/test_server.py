@@ -225,7 +225,8 @@ def test_usage_reports_cached_prompt_tokens(client, server):
     ({"prompt": "a", "n": 100}, 400, "n"),
     ({"prompt": ["a"] * 129}, 400, "prompt"),
     ({"prompt": ["a"] * 5, "n": 16}, 400, "n"),
-    ({"prompt": "a", "echo": True}, 400, "echo"),
+    ({"prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt": "a", "echo": True, "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "a", "temperature": 1e400}, 400, "temperature"),
     ({"prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
 ])

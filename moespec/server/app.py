@@ -39,8 +39,8 @@ from moespec.server.limits import RequestLimits
 from moespec.server.metrics import ServerMetrics
 from moespec.server.openapi import install_openapi
 from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar, SamplingRequest
-from moespec.server.responses import (SSE_DONE, Choice, TokenNames, UsageTotals, chat_choice, chat_logprobs,
-                                      completion_choice, completion_logprobs, sse)
+from moespec.server.responses import (SSE_DONE, Choice, CompletionShape, TokenNames, UsageTotals, chat_choice,
+                                      chat_logprobs, completion_choice, completion_payload, sse)
 from moespec.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.5
@@ -215,21 +215,32 @@ async def create_completion(request: Request) -> Response:
     server = server_of(request)
     body = await server.parse(CompletionRequest, request)
     server.check_model(body.model)
-    if body.echo:
-        raise ApiError(400, "echo: not supported", "echo")
     prompts = body.prompts()
     grammar = body.grammar()
-    params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size, grammar)
+    params = body.sampling_params(body.max_tokens, body.logprobs, server.engine.vocab_size, grammar,
+                                  body.num_prompt_logprobs())
     request_id = f"cmpl-{uuid.uuid4().hex}"
     handle = await until_disconnected(request, server.submit(request_id, prompts, params, grammar))
+    shape = await run_in_threadpool(completion_shape, server, body, prompts, handle)
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": server.model_name}
     if body.stream:
-        chunks = stream_completion(server, handle, header, body.logprobs is not None, body.include_usage, params.n)
+        chunks = stream_completion(server, handle, header, shape, body.include_usage, params.n)
         return AbortOnCloseResponse(chunks, lambda: server.loop.abort(handle.request_ids))
     choices, usage = await gather(server, handle, request, params.n)
-    want_logprobs = body.logprobs is not None
-    return JSONResponse({**header, "choices": [completion_choice(c, server.names, want_logprobs) for c in choices],
+    return JSONResponse({**header, "choices": [completion_choice(c, server.names, shape) for c in choices],
                          "usage": usage.as_dict()})
+
+
+def completion_shape(server: ServerState, body: CompletionRequest, prompts: list[Prompt],
+                     handle: RequestHandle) -> CompletionShape:
+    """An echo gives back each prompt's text: as sent, or its token ids decoded."""
+    texts = ()
+    if body.echo:
+        tokenizer = server.engine.tokenizer
+        texts = tuple(p if isinstance(p, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+                      for p, ids in zip(prompts, handle.prompt_ids))
+    return CompletionShape(body.logprobs, body.echo, body.prompt_logprobs is not None, texts,
+                           tuple(map(tuple, handle.prompt_ids)), body.n or 1)
 
 
 @v1.post("/chat/completions", openapi_extra=request_body("ChatCompletionRequest"))
@@ -318,17 +329,17 @@ class AbortOnCloseResponse(StreamingResponse):
             self.on_close()  # a no-op on the engine thread once every choice has finished
 
 
-async def stream_completion(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
+async def stream_completion(server: ServerState, handle: RequestHandle, header: dict, shape: CompletionShape,
                             include_usage: bool, n: int) -> AsyncIterator[str]:
-    offsets = [0] * len(handle.request_ids)
+    offsets: dict[int, int] = {}  # per choice: the characters sent (its first delta opens it: the echo)
 
     def choice(delta: Delta) -> dict:
-        logprobs = None
-        if want_logprobs:
-            logprobs = completion_logprobs(delta.logprobs, server.names, offsets[delta.index])
-            offsets[delta.index] += sum(len(t) for t in logprobs["tokens"])
-        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        opening = delta.index not in offsets
+        offset = offsets.setdefault(delta.index, 0)
+        payload = completion_payload(delta.index, delta.text, delta.logprobs, delta.prompt_logprobs, server.names,
+                                     shape, offset, opening)
+        offsets[delta.index] += len(payload["text"])
+        return payload | {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
 
     async for event in stream_choices(handle, header, include_usage, n, choice, first=[]):
         yield event

@@ -78,6 +78,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: SeqUsage | None = None  # set on the last delta
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the prompt has been scored
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Stream:
     sent_chars: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    sent_prompt: bool = False  # the prompt logprobs
 
 
 @dataclass
@@ -97,6 +99,7 @@ class RequestHandle:
 
     request_ids: list[str]
     prompt_tokens: list[int] = field(default_factory=list)  # per choice, filled in by the engine thread
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -158,7 +161,7 @@ class EngineLoop:
             raise Draining("the server is shutting down; send the request to another replica")
         loop = asyncio.get_running_loop()
         ids = [f"{request_id}-{p}-{i}" for p in range(len(prompts)) for i in range(params.n)]
-        handle = RequestHandle(ids)
+        handle = RequestHandle(ids, prompt_ids=prompts)
         done: asyncio.Future = loop.create_future()
 
         def add_on_engine_thread() -> None:
@@ -330,6 +333,8 @@ def take_delta(stream: Stream, seq: Sequence) -> Delta:
     delta = Delta(stream.index, seq.text[stream.sent_chars:end], seq.output_ids[stream.sent_tokens:],
                   seq.logprobs[stream.sent_logprobs:])
     stream.sent_chars, stream.sent_tokens, stream.sent_logprobs = end, len(seq.output_ids), len(seq.logprobs)
+    if not stream.sent_prompt and prompt_scored(seq):
+        delta.prompt_logprobs, stream.sent_prompt = list(seq.prompt_logprobs), True
     if seq.is_finished:
         m = seq.metrics
         delta = dataclasses.replace(delta, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
@@ -337,6 +342,12 @@ def take_delta(stream: Stream, seq: Sequence) -> Delta:
                                                    m.num_accepted_tokens, m.num_spec_steps,
                                                    m.num_cached_tokens or 0))
     return delta
+
+
+def prompt_scored(seq: Sequence) -> bool:
+    """Its prompt logprobs are all in (on rank 0 a request of another rank gets them at once)."""
+    scored = seq.prompt_logprobs
+    return scored is not None and (seq.is_finished or all(entry is not None for entry in scored[1:]))
 
 
 def sender(loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> Callable[[Delta | BaseException], None]:

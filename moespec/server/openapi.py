@@ -33,9 +33,15 @@ class ErrorResponse(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None  # in the vocabulary, 1 = the most likely
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -44,6 +50,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None
     finish_reason: Finish
     stop_reason: int | str | None
+    # vLLM's: per prompt token (null for the first) that token and its top alternatives, by token id
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class SpeculationUsage(BaseModel):
@@ -160,6 +168,9 @@ CROSS_FIELD = {
     "guided_grammar": "EBNF that xgrammar compiles (structured_outputs.grammar). " + ONE_GRAMMAR,
     "logit_bias": "Keys are token ids in [0, vocab size) written as decimal strings.",
     "top_logprobs": "Needs logprobs: true.",
+    "max_tokens": "0 only with echo or prompt_logprobs (completions): the prompt is scored, nothing generated.",
+    "echo": "The prompt comes back before the completion; with logprobs, its tokens' logprobs too (the first "
+            "token's null).",
     "prompt": "Text must tokenize to fewer than max_model_len tokens.",
     "messages": "Their contents together must fit the prompt's character bound, and the rendered chat must "
                 "tokenize to fewer than max_model_len tokens.",
@@ -240,7 +251,6 @@ def constrain_requests(components: dict, state) -> None:
         for field, note in CROSS_FIELD.items():
             if field in fields:
                 fields[field]["description"] = note
-    components["CompletionRequest"]["properties"]["echo"].update(enum=[False], description="Not supported: false only.")
     prompt = components["CompletionRequest"]["properties"]["prompt"]
     for text in each_schema(prompt, "string"):
         text["maxLength"] = limits.max_prompt_chars

@@ -149,7 +149,7 @@ class SamplingRequest(BaseModel):
                 *((f"guided_{kind}", {kind: value}) for kind, value in guided.items() if value is not None)]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
-                        grammar: RequestGrammar | None = None) -> SamplingParams:
+                        grammar: RequestGrammar | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """max_tokens None: until EOS, a stop or max_model_len (OpenAI's null)."""
         bias = parse_logit_bias(self.logit_bias, vocab_size)
         check_vocab("stop_token_ids", self.stop_token_ids or [], vocab_size)
@@ -160,7 +160,7 @@ class SamplingRequest(BaseModel):
                        logit_bias=bias, ignore_eos=self.ignore_eos, logprobs=logprobs,
                        skip_special_tokens=self.skip_special_tokens,
                        include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt,
-                       structured=grammar.spec if grammar else None)
+                       structured=grammar.spec if grammar else None, prompt_logprobs=prompt_logprobs)
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in options.items() if v is not None})
         except ValueError as e:
@@ -202,9 +202,22 @@ PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(SamplingRequest):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds \
         | Annotated[list[PromptIds], Field(min_length=1)]
-    max_tokens: Int(ge=1) | None = 16  # OpenAI's legacy default
+    max_tokens: Int(ge=0) | None = 16  # OpenAI's legacy default; 0 only with echo or prompt_logprobs
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
-    echo: bool = False  # echoing the prompt back is not supported: true is refused
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM's: each prompt token's, and the top n
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The top alternatives the engine scores each prompt token with (None: it scores none):
+        those prompt_logprobs asks for, and with echo those logprobs asks for. An echo of
+        max_tokens 0 needs the prompt's pass only: it scores the chosen tokens at least."""
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ApiError(400, "max_tokens: 0 only with echo or prompt_logprobs (nothing else to return)",
+                           "max_tokens")
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if not wanted:
+            return 0 if self.max_tokens == 0 else None
+        return max(wanted)
 
     def prompts(self) -> list[Prompt]:
         prompt = self.prompt

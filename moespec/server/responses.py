@@ -46,6 +46,37 @@ def completion_logprobs(logprobs: list[TokenLogprob], names: TokenNames, offset:
             "text_offset": offsets}
 
 
+def echoed_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], names: TokenNames,
+                    num_top: int) -> dict:
+    """The prompt's part of an echo's legacy logprobs: the first token has none (null)."""
+    tokens = [names(t) for t in prompt_ids]
+    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [None if e is None else finite(e.logprob) for e in scored],
+            "top_logprobs": [None if e is None else {names(t): finite(v) for t, v in list(e.top.items())[:num_top]}
+                             for e in scored],
+            "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(scored: list[TokenLogprob | None], names: TokenNames) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself, then its top alternatives."""
+    out: list[dict | None] = []
+    for entry in scored:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(entry.token_id): {"logprob": finite(entry.logprob), "rank": entry.rank,
+                                        "decoded_token": names(entry.token_id)}}
+        for rank, (token, logprob) in enumerate(entry.top.items(), start=1):
+            ranked.setdefault(str(token), {"logprob": finite(logprob), "rank": rank, "decoded_token": names(token)})
+        out.append(ranked)
+    return out
+
+
 def chat_logprob_entry(token_id: int, logprob: float, names: TokenNames) -> dict:
     token = names(token_id)
     return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8"))}
@@ -69,9 +100,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
@@ -111,10 +144,44 @@ class UsageTotals:
                                 "accept_length": accept_length}}
 
 
-def completion_choice(choice: Choice, names: TokenNames, want_logprobs: bool) -> dict:
-    logprobs = completion_logprobs(choice.logprobs, names, 0) if want_logprobs else None
-    return {"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason}
+@dataclass(frozen=True)
+class CompletionShape:
+    """What a completion choice carries besides its text: logprobs (their top n), the echoed
+    prompt, vLLM's prompt_logprobs."""
+
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: bool = False
+    prompt_texts: tuple[str, ...] = ()  # per prompt, echoed
+    prompt_ids: tuple[tuple[int, ...], ...] = ()  # per prompt
+    n: int = 1
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
+
+
+def completion_choice(choice: Choice, names: TokenNames, shape: CompletionShape) -> dict:
+    return completion_payload(choice.index, choice.text, choice.logprobs, choice.prompt_logprobs, names, shape,
+                              offset=0, opening=True) | {"finish_reason": choice.finish_reason,
+                                                         "stop_reason": choice.stop_reason}
+
+
+def completion_payload(index: int, text: str, logprobs: list[TokenLogprob], scored: list[TokenLogprob | None] | None,
+                       names: TokenNames, shape: CompletionShape, offset: int, opening: bool) -> dict:
+    """One choice's text and logprobs (`offset`: characters this choice already sent); the
+    `opening` part of an echo carries the prompt before its completion."""
+    prompt = shape.prompt_of(index)
+    payload = completion_logprobs(logprobs, names, offset) if shape.logprobs is not None else None
+    if opening and shape.echo:
+        prompt_text = shape.prompt_texts[prompt]
+        if payload is not None:
+            echoed = echoed_logprobs(list(shape.prompt_ids[prompt]), scored or [], names, shape.logprobs)
+            payload = joined_logprobs(echoed, completion_logprobs(logprobs, names, offset + len(prompt_text)))
+        text = prompt_text + text
+    body = {"index": index, "text": text, "logprobs": payload}
+    if opening and shape.prompt_logprobs:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(scored or [], names)
+    return body
 
 
 def chat_choice(choice: Choice, names: TokenNames, want_logprobs: bool) -> dict:
