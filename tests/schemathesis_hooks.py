@@ -16,6 +16,8 @@ VOCAB_SIZE = int(os.environ["MOESPEC_FUZZ_VOCAB_SIZE"])
 def filter_case(ctx, case) -> bool:
     """Positive cases only (negative ones must be refused whatever they hold)."""
     operation = ctx.operation
+    if operation is not None and operation.path == "/tokenize" and isinstance(case.body, dict):
+        return not case.body.get("continue_final_message")  # its rule is in words (the field's description)
     if operation is None or operation.path not in ("/v1/completions", "/v1/chat/completions"):
         return True
     if case.meta is not None and not case.meta.generation.mode.is_positive:

@@ -120,3 +120,50 @@ def test_prompt_logprobs_in_vllm_shape(served):
 def test_bounds_name_the_field(served, body, param):
     response = httpx.post(f"{served[0].url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_tokenize_detokenize_and_tokenizer_info(served):
+    """vLLM's shapes: /tokenize of a prompt (special tokens added by default) and of messages
+    (rendered through the chat template, with or without the generation prompt), /detokenize
+    back to text, /tokenizer_info with the EOS token and the chat template."""
+    server, _, tokenizer = served
+    out = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True)
+    assert out == {"count": len(ids), "max_model_len": 128, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    plain = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert plain["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False) and plain["token_strs"] is None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for generation_prompt in (True, False):
+        chat = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": generation_prompt}).json()
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    opened = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                        "continue_final_message": True}).json()
+    assert len(opened["tokens"]) < chat["count"]  # the assistant's message left open: no end-of-turn tokens
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": plain["tokens"]}).json() == {"prompt": PROMPT}
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["max_model_len"] == 128 and info["vocab_size"] == 4096
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+    ("/tokenize", {"prompt": "x" * 10_000_000}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "a"}]}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/detokenize", {"tokens": [4096]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1] * 129}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+])
+def test_token_endpoints_are_bounded(served, path, body, status, param):
+    response = post(served[0], path, body)
+    assert response.status_code == status, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param, response.text

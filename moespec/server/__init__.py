@@ -4,6 +4,7 @@
   protocol.py     request bodies (pydantic) -> SamplingParams
   bodies.py       JSON parsing and validation of bodies, large ones in a separate process
   grammar_workers.py  grammar compiles in killable processes: time budget, cap, cancellation
+  tokens.py       vLLM's token endpoints: /tokenize, /detokenize, /tokenizer_info
   limits.py       the deployment's bounds on a request (n, prompts, prompt length, chat roles)
   engine_loop.py  the engine thread: adds/aborts handed over by queue, output deltas fed to
                   per-request asyncio queues; the step watchdog and the drain

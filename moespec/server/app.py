@@ -41,6 +41,8 @@ from moespec.server.openapi import install_openapi
 from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar, SamplingRequest
 from moespec.server.responses import (SSE_DONE, Choice, CompletionShape, TokenNames, UsageTotals, chat_choice,
                                       chat_logprobs, completion_choice, completion_payload, sse)
+from moespec.server import tokens as token_endpoints
+from moespec.server.tokens import DetokenizeRequest, TokenizeRequest, require_tokenizer
 from moespec.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.5
@@ -156,6 +158,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(v1, dependencies=[Depends(check_api_key)])
+    app.include_router(tokens, dependencies=[Depends(check_api_key)])
     app.add_middleware(RequestGate, state=state)
     install_openapi(app, state)
     return app
@@ -182,6 +185,7 @@ async def check_api_key(request: Request) -> None:
 
 public = APIRouter()
 v1 = APIRouter(prefix="/v1")
+tokens = APIRouter()  # vLLM's token endpoints (tokens.py), at the root as vLLM serves them
 
 
 @public.get("/health")
@@ -262,6 +266,33 @@ async def create_chat_completion(request: Request) -> Response:
     choices, usage = await gather(server, handle, request, params.n)
     return JSONResponse({**header, "choices": [chat_choice(c, server.names, body.logprobs) for c in choices],
                          "usage": usage.as_dict()})
+
+
+@tokens.post("/tokenize", openapi_extra=request_body("TokenizeRequest"))
+async def tokenize(request: Request) -> JSONResponse:
+    server = server_of(request)
+    body = await server.parse(TokenizeRequest, request)
+    server.check_model(body.model)
+    require_tokenizer(server.engine.tokenizer)
+    answer = await run_in_threadpool(token_endpoints.tokenize, server.engine.tokenizer, body,
+                                     server.engine.max_model_len)
+    return JSONResponse(answer)
+
+
+@tokens.post("/detokenize", openapi_extra=request_body("DetokenizeRequest"))
+async def detokenize(request: Request) -> JSONResponse:
+    server = server_of(request)
+    body = await server.parse(DetokenizeRequest, request)
+    server.check_model(body.model)
+    require_tokenizer(server.engine.tokenizer)
+    return JSONResponse(await run_in_threadpool(token_endpoints.detokenize, server.engine.tokenizer, body))
+
+
+@tokens.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> JSONResponse:
+    engine = server_of(request).engine
+    require_tokenizer(engine.tokenizer)
+    return JSONResponse(token_endpoints.tokenizer_info(engine.tokenizer, engine.max_model_len, engine.vocab_size))
 
 
 def render_chat(server: ServerState, body: ChatCompletionRequest) -> str:

@@ -124,7 +124,8 @@ def describe_errors(errors: list[dict]) -> tuple[str, str | None]:
     (a union's other branches fail on type), its field path without union tags, and the
     field's rule where the message alone would not state it."""
     first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
-    loc = [part for part in first.get("loc", ()) if part not in UNION_TAGS and "[" not in str(part)]
+    loc = [part for part in first.get("loc", ()) if part not in UNION_TAGS and "[" not in str(part)
+           and not str(part)[:1].isupper()]  # nor a union's model branch (TokenizePrompt)
     field = loc[0] if loc and isinstance(loc[0], str) else None
     message = f"{'.'.join(map(str, loc)) or 'body'}: {first['msg']}"
     if field in FIELD_RULES:

@@ -13,6 +13,7 @@ from moespec.config import ServerSection
 from moespec.server.errors import ApiError
 from moespec.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prompt, RequestGrammar,
                                      SamplingRequest, check_vocab)
+from moespec.server.tokens import DetokenizeRequest, TokenizePrompt, TokenizeRequest
 
 CANDIDATE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -43,6 +44,9 @@ class RequestLimits:
         elif isinstance(request, ChatCompletionRequest):
             self.check_n(request.n or 1, 1)
             self.check_messages(request.messages)
+        elif isinstance(request, (TokenizeRequest, DetokenizeRequest)):
+            self.check_token_request(request)
+            return
         grammar = request.grammar()
         if grammar is not None:
             self.grammar.check(grammar)
@@ -75,6 +79,17 @@ class RequestLimits:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate within max_model_len "
                                 f"{self.max_model_len}", "prompt")
         check_vocab("prompt", ids, self.vocab_size)
+
+    def check_token_request(self, request: TokenizeRequest | DetokenizeRequest) -> None:
+        if isinstance(request, DetokenizeRequest):
+            if len(request.tokens) > self.max_model_len:
+                raise ApiError(400, f"tokens: at most max_model_len ({self.max_model_len}) token ids, got "
+                                    f"{len(request.tokens)}", "tokens")
+            check_vocab("tokens", request.tokens, self.vocab_size)
+        elif isinstance(request.root, TokenizePrompt):
+            self.check_text("prompt", len(request.root.prompt))
+        else:
+            self.check_messages(request.root.messages)
 
     def check_messages(self, messages: list[ChatMessage]) -> None:
         if not self.roles:

@@ -10,7 +10,7 @@ from moespec.speculation.tree import TreeShape
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json",
-                    "/docs"})  # any other path is counted as "other"
+                    "/docs", "/tokenize", "/detokenize", "/tokenizer_info"})  # any other path is counted as "other"
 
 
 class ServerMetrics:

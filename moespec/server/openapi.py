@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 import moespec
 from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
+from moespec.server.tokens import DetokenizeRequest, TokenizeRequest
 
 Finish = Literal["stop", "length", "abort"] | None
 
@@ -134,8 +135,33 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)  # the routes parse their bodies themselves
-RESPONSE_MODELS = (ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelList, Health)
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    max_model_len: int
+    vocab_size: int
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest,  # the routes parse their bodies themselves
+                  TokenizeRequest, DetokenizeRequest)
+RESPONSE_MODELS = (ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelList, Health, TokenizeResponse,
+                   DetokenizeResponse, TokenizerInfo)
 ERRORS = {400: "Malformed JSON, a wrong type or value, or a request this deployment could never serve "
                "(`param` names the field)",
           401: "Missing or wrong API key (`Authorization: Bearer KEY`)",
@@ -147,9 +173,14 @@ ERRORS = {400: "Malformed JSON, a wrong type or value, or a request this deploym
           503: "The server is shutting down"}
 ROUTE_ERRORS = {("post", "/v1/completions"): (400, 401, 404, 408, 413, 429, 500, 503),
                 ("post", "/v1/chat/completions"): (400, 401, 404, 408, 413, 429, 500, 503),
-                ("get", "/v1/models"): (401, 503)}
+                ("get", "/v1/models"): (401, 503),
+                ("post", "/tokenize"): (400, 401, 404, 408, 413, 503),
+                ("post", "/detokenize"): (400, 401, 404, 408, 413, 503),
+                ("get", "/tokenizer_info"): (400, 401, 503)}
 OK = {("post", "/v1/completions"): "CompletionResponse", ("post", "/v1/chat/completions"): "ChatCompletionResponse",
-      ("get", "/v1/models"): "ModelList", ("get", "/health"): "Health"}
+      ("get", "/v1/models"): "ModelList", ("get", "/health"): "Health", ("post", "/tokenize"): "TokenizeResponse",
+      ("post", "/detokenize"): "DetokenizeResponse", ("get", "/tokenizer_info"): "TokenizerInfo"}
+STREAMED = {("post", "/v1/completions"), ("post", "/v1/chat/completions")}
 SSE_EVENT = {  # one server-sent event (stream: true); its data is a JSON chunk, the last one "[DONE]"
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "A chunk object as JSON, or [DONE] at the end"},
@@ -204,8 +235,8 @@ def describe(schema: dict, state) -> dict:
     if state.api_key:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, methods in schema["paths"].items():
-            if path.startswith("/v1/"):
-                for operation in methods.values():
+            for method, operation in methods.items():
+                if 401 in ROUTE_ERRORS.get((method, path), ()) or path.startswith("/v1/"):
                     operation["security"] = [{"bearer": []}]
     return schema
 
@@ -227,7 +258,7 @@ def document_responses(operation: dict, method: str, path: str) -> None:
                             "content": {"application/json": {"schema": ref("ErrorResponse")}}}
     if (method, path) in OK:
         content = {"application/json": {"schema": ref(OK[method, path])}}
-        if method == "post":  # stream: true
+        if (method, path) in STREAMED:  # stream: true
             content["text/event-stream"] = {"schema": SSE_EVENT}
         responses["200"] = {"description": "Success", "content": content}
 
@@ -262,10 +293,24 @@ def constrain_requests(components: dict, state) -> None:
             array["maxItems"] = limits.max_model_len - 1
         else:  # a list of prompts
             array["maxItems"] = limits.max_prompts
+    constrain_token_requests(components, state)
     message = components["ChatMessage"]["properties"]
     message["role"] = {"type": "string", "enum": list(limits.roles), "title": "Role"}
     for text in each_schema(message["content"], "string"):
         text["maxLength"] = limits.max_prompt_chars
+
+
+def constrain_token_requests(components: dict, state) -> None:
+    limits = state.limits
+    model = {"anyOf": [{"type": "string", "enum": [state.model_name]}, {"type": "null"}], "title": "Model"}
+    for name in ("TokenizePrompt", "TokenizeChat", "DetokenizeRequest"):
+        components[name]["properties"]["model"] = model
+    components["TokenizePrompt"]["properties"]["prompt"]["maxLength"] = limits.max_prompt_chars
+    components["TokenizeChat"]["properties"]["continue_final_message"]["description"] = (
+        "Needs add_generation_prompt false, and a last message the chat template renders as given.")
+    tokens = components["DetokenizeRequest"]["properties"]["tokens"]
+    tokens["maxItems"] = limits.max_model_len
+    tokens["items"]["maximum"] = limits.vocab_size - 1
 
 
 def set_bound(field: dict, key: str, value: int) -> None:
