@@ -47,6 +47,8 @@ def check_against_reference(prompt_logprobs, hf_model, prompt: list[int], num_to
     ("deepseek", {}),
     ("deepseek", {"max_num_batched_tokens": 5, "speculation": {"mode": "mtp", "num_speculative_tokens": 2}}),
     ("llama", {"max_num_batched_tokens": 4}),
+    ("deepseek", {"max_num_batched_tokens": 6, "overlap": True,
+                  "speculation": {"mode": "mtp", "num_speculative_tokens": 1}}),
 ])
 def test_prompt_logprobs_equal_transformers(checkpoints, name, options):
     """One prefill, and chunked prefill (chunks of 4-5 tokens, several requests in a step)."""
@@ -73,12 +75,19 @@ def test_prefix_cache_is_not_reused_for_prompt_logprobs(checkpoints):
     assert again.num_cached_tokens == 16 and again.prompt_logprobs is None
 
 
-def test_max_tokens_zero_scores_the_prompt_only(checkpoints):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_tokens_zero_scores_the_prompt_only(checkpoints, overlap):
+    """Beside requests that generate (overlap: steps prepared while the one before runs)."""
     path, hf_model = checkpoints["llama"]
-    llm = LLM(model=path, dtype="float32", page_size=4, num_kv_pages=64)
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)[0]
-    assert out.token_ids == [] and out.text == "" and out.finish_reason == "length"
-    check_against_reference(out.prompt_logprobs, hf_model, PROMPTS[0], 1)
+    llm = LLM(model=path, dtype="float32", page_size=4, num_kv_pages=64, overlap=overlap)
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=1), SamplingParams(max_tokens=5, ignore_eos=True),
+              SamplingParams(max_tokens=0, prompt_logprobs=0)]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out, p in zip(PROMPTS, outputs, params):
+        assert len(out.token_ids) == p.max_tokens and out.finish_reason == "length"
+        if p.max_tokens == 0:
+            assert out.text == ""
+            check_against_reference(out.prompt_logprobs, hf_model, prompt, p.prompt_logprobs)
 
 
 def test_bounds_name_the_field():
