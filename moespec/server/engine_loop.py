@@ -311,7 +311,7 @@ class EngineLoop:
         if seq.is_finished:
             del self.streams[seq.request_id]
             self.metrics.observe_finished(seq)
-        if delta.text or delta.token_ids or seq.is_finished:
+        if delta.text or delta.token_ids or delta.prompt_logprobs is not None or seq.is_finished:
             stream.send(delta)
 
     def fail_all(self, error: Exception) -> None:

@@ -1,6 +1,7 @@
 """OpenAI response bodies and stream chunks built from engine deltas."""
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -50,7 +51,7 @@ def echoed_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], na
                     num_top: int) -> dict:
     """The prompt's part of an echo's legacy logprobs: the first token has none (null)."""
     tokens = [names(t) for t in prompt_ids]
-    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=0))
     return {"tokens": tokens, "token_logprobs": [None if e is None else finite(e.logprob) for e in scored],
             "top_logprobs": [None if e is None else {names(t): finite(v) for t, v in list(e.top.items())[:num_top]}
                              for e in scored],
