@@ -199,7 +199,6 @@ CROSS_FIELD = {
     "guided_grammar": "EBNF that xgrammar compiles (structured_outputs.grammar). " + ONE_GRAMMAR,
     "logit_bias": "Keys are token ids in [0, vocab size) written as decimal strings.",
     "top_logprobs": "Needs logprobs: true.",
-    "max_tokens": "0 only with echo or prompt_logprobs (completions): the prompt is scored, nothing generated.",
     "echo": "The prompt comes back before the completion; with logprobs, its tokens' logprobs too (the first "
             "token's null).",
     "prompt": "Text must tokenize to fewer than max_model_len tokens.",
@@ -282,6 +281,8 @@ def constrain_requests(components: dict, state) -> None:
         for field, note in CROSS_FIELD.items():
             if field in fields:
                 fields[field]["description"] = note
+    components["CompletionRequest"]["properties"]["max_tokens"]["description"] = (
+        "0 only with echo or prompt_logprobs: the prompt is scored, nothing generated.")
     prompt = components["CompletionRequest"]["properties"]["prompt"]
     for text in each_schema(prompt, "string"):
         text["maxLength"] = limits.max_prompt_chars
