@@ -156,12 +156,15 @@ def test_lm_eval_local_completions_against_moespec_serve(tmp_path, reference, ra
     model, tokenizer = reference
     scored = samples(tmp_path / "out", "tiny_mc")
     assert len(scored) == len(QUESTIONS)
+    worst = 0.0
     for sample in scored:
         assert len(sample["resps"]) == len(sample["doc"]["choices"])
         for args, resp in zip(sample["arguments"].values(), sample["resps"]):
             loglikelihood = float(resp[0][0])
             expected = reference_loglikelihood(model, tokenizer, args["arg_0"], args["arg_1"])
             assert abs(loglikelihood - expected) < TOLERANCE, (args, loglikelihood, expected)
+            worst = max(worst, abs(loglikelihood - expected))
+    print(f"lm-eval loglikelihoods ({ranks} rank(s)): largest |moespec - transformers| = {worst:.2e}")
     generated = samples(tmp_path / "out", "tiny_gen")
     assert len(generated) == len(PROMPTS)
     for sample in generated:
