@@ -73,7 +73,7 @@ class Requests:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         if params.structured is not None:
-            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar = self.grammars.matcher(params.structured, params.structured_after)
         return seq
 
     def abort(self, request_id: str) -> None:

@@ -43,6 +43,7 @@ class RequestLimits:
         elif isinstance(request, ChatCompletionRequest):
             self.check_n(request.n or 1, 1)
             self.check_messages(request.messages)
+            request.check_tools()
         grammar = request.grammar()
         if grammar is not None:
             self.grammar.check(grammar)
