@@ -134,6 +134,14 @@ def test_tool_call_formats_parse():
     assert parse_tool_calls("hermes", "<tool_call>{") == [Piece("<tool_call>{")]  # cut short
 
 
+def test_deepseek_arguments_stream_as_they_come():
+    splitter = tool_call_splitter("deepseek-v3")
+    header = f"{DEEPSEEK_CALLS_BEGIN}{DEEPSEEK_CALL_BEGIN}function{DEEPSEEK_SEP}get_weather\n```json\n"
+    assert splitter.feed(header + '{"city": ') == [Piece(call=Call("get_weather", "")), Piece(arguments='{"city":')]
+    assert splitter.feed('"Paris"}\n``') == [Piece(arguments=' "Paris"}')]  # the fence's start is held back
+    assert splitter.feed(f"`{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}") == []
+
+
 def test_a_naive_tool_parser_loses_a_cut_marker():
     """Without hold-back, `<tool_` + `call>...` streams the marker as content: the property sees it."""
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'

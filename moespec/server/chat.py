@@ -93,7 +93,9 @@ class ChatOutput:
         return [self.call_delta(call, call.arguments) for call in calls]
 
     def piece_delta(self, piece: Piece) -> dict:
-        return {"content": piece.content} if piece.call is None else self.call_delta(piece.call, piece.call.arguments)
+        if piece.call is not None:
+            return self.call_delta(piece.call, piece.call.arguments)
+        return self.call_delta(None, piece.arguments) if piece.arguments else {"content": piece.content}
 
     def call_delta(self, call: Call | None, arguments: str) -> dict:
         """A call's first delta names it (call given); later ones of the same call add arguments."""

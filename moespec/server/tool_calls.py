@@ -6,9 +6,11 @@
 - `hermes`: <tool_call>{"name": NAME, "arguments": {...}}</tool_call> (Hermes/Qwen-style templates).
 
 `ToolCallSplitter` works on text deltas like reasoning.ReasoningSplitter: text that could be
-the start of a marker is held back, a call is emitted whole once its closing marker arrives
-(its arguments as one fragment), and what it emits never depends on where the text was cut.
-A call whose body does not parse stays in the content as the model wrote it.
+the start of a marker is held back, and what it emits never depends on where the text was
+cut. A DeepSeek-V3 call is announced (id, name) once its header `function<｜tool▁sep｜>NAME\n```json\n`
+is complete, and its arguments stream as they come (the closing fence and blanks before it
+held back); a Hermes call is emitted whole once `</tool_call>` arrives. A call whose body does
+not parse stays in the content as the model wrote it.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from moespec.server.reasoning import held_length
 TOOL_CALL_PARSERS = ("none", "deepseek-v3", "hermes")
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, DEEPSEEK_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-DEEPSEEK_BODY = re.compile(r"\s*(?:function)?" + re.escape(DEEPSEEK_SEP) + r"(?P<name>[^\n]+)\n```(?:json)?\n"
-                           r"(?P<arguments>.*?)\n?```\s*", re.DOTALL)
+DEEPSEEK_HEADER = re.compile(r"\s*(?:function)?" + re.escape(DEEPSEEK_SEP) + r"(?P<name>[^\n]+)\n```(?:json)?\n")
+FENCE_TAIL = re.compile(r"[\s`]*\Z")  # what may close a DeepSeek call's arguments: blanks and its fence
 
 
 class Call(NamedTuple):
@@ -33,17 +35,12 @@ class Call(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """What the splitter emits: answer text, or one whole call."""
+    """What the splitter emits: answer text, a call (its name and first arguments), or more
+    arguments of the last call."""
 
     content: str = ""
     call: Call | None = None
-
-
-def parse_deepseek(body: str) -> Call | None:
-    match = DEEPSEEK_BODY.fullmatch(body)
-    if match is None:
-        return None
-    return Call(match["name"].strip(), match["arguments"].strip())
+    arguments: str = ""
 
 
 def parse_hermes(body: str) -> Call | None:
@@ -64,13 +61,14 @@ class ToolFormat:
     open: str  # starts one call
     close: str  # ends it
     dropped: tuple[str, ...]  # markers around a group of calls, removed from the content
-    parse: Callable[[str], Call | None]  # a call's body (between open and close)
+    parse: Callable[[str], Call | None] | None = None  # a whole call's body (between open and close)
+    header: re.Pattern | None = None  # or: a call's header (group "name"), its arguments after it
 
 
 FORMATS = {
     "deepseek-v3": ToolFormat(DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, (DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END),
-                              parse_deepseek),
-    "hermes": ToolFormat("<tool_call>", "</tool_call>", (), parse_hermes),
+                              header=DEEPSEEK_HEADER),
+    "hermes": ToolFormat("<tool_call>", "</tool_call>", (), parse=parse_hermes),
 }
 
 
@@ -81,27 +79,31 @@ class ToolCallSplitter:
         self.form = form
         self.markers = (form.open, *form.dropped)
         self.pending = ""
-        self.in_call = False
+        self.state = "text"  # text | call (its body so far is pending) | arguments (a header was read)
 
     def feed(self, text: str) -> list[Piece]:
         self.pending += text
         pieces: list[Piece] = []
         while self.step(pieces):
             pass
-        return [p for p in pieces if p.call is not None or p.content]
+        return [p for p in pieces if p.call is not None or p.content or p.arguments]
 
     def finish(self) -> list[Piece]:
-        body, self.pending = self.pending, ""
-        if not self.in_call:
-            return [Piece(body)] if body else []
-        self.in_call = False
-        call = self.form.parse(body)
-        return [Piece(call=call)] if call is not None else [Piece(self.form.open + body)]
+        rest, state = self.take(len(self.pending)), self.state
+        self.state = "text"
+        if state == "arguments":
+            return [Piece(arguments=FENCE_TAIL.sub("", rest))] if FENCE_TAIL.sub("", rest) else []
+        if state == "call":
+            call = self.form.parse(rest) if self.form.parse is not None else None
+            return [Piece(call=call)] if call is not None else [Piece(self.form.open + rest)]
+        return [Piece(rest)] if rest else []
 
     def step(self, pieces: list[Piece]) -> bool:
         """Emits what the pending text settles; True while more may follow."""
-        if self.in_call:
-            return self.close_call(pieces)
+        if self.state == "call":
+            return self.read_call(pieces)
+        if self.state == "arguments":
+            return self.read_arguments(pieces)
         found = [(self.pending.find(m), m) for m in self.markers]
         found = [(at, m) for at, m in found if at >= 0]
         if not found:
@@ -111,19 +113,38 @@ class ToolCallSplitter:
         at, marker = min(found)
         pieces.append(Piece(self.take(at)))
         self.take(len(marker))
-        self.in_call = marker == self.form.open
+        self.state = "call" if marker == self.form.open else "text"
         return True
 
-    def close_call(self, pieces: list[Piece]) -> bool:
+    def read_call(self, pieces: list[Piece]) -> bool:
+        """A call's body: up to its header (streamed calls) or its closing marker (whole calls)."""
         end = self.pending.find(self.form.close)
+        header = self.form.header.match(self.pending) if self.form.header is not None else None
+        if header is not None and (end < 0 or header.end() <= end):
+            self.take(header.end())
+            pieces.append(Piece(call=Call(header["name"].strip(), "")))
+            self.state = "arguments"
+            return True
         if end < 0:
             return False
         body = self.take(end)
         self.take(len(self.form.close))
-        self.in_call = False
-        call = self.form.parse(body)
+        self.state = "text"
+        call = self.form.parse(body) if self.form.parse is not None else None
         pieces.append(Piece(call=call) if call is not None else Piece(self.form.open + body + self.form.close))
         return True
+
+    def read_arguments(self, pieces: list[Piece]) -> bool:
+        """A streamed call's arguments, up to the fence and blanks that may close them."""
+        end = self.pending.find(self.form.close)
+        if end >= 0:
+            pieces.append(Piece(arguments=FENCE_TAIL.sub("", self.take(end))))
+            self.take(len(self.form.close))
+            self.state = "text"
+            return True
+        settled = self.pending[:len(self.pending) - held_length(self.pending, (self.form.close,))]
+        pieces.append(Piece(arguments=self.take(len(FENCE_TAIL.sub("", settled)))))
+        return False
 
     def take(self, count: int) -> str:
         taken, self.pending = self.pending[:count], self.pending[count:]
@@ -145,9 +166,13 @@ def parse_tool_calls(parser: str, text: str) -> list[Piece]:
 
 
 def join_content(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent content joined, and each call's streamed arguments joined into it."""
     joined: list[Piece] = []
     for piece in pieces:
-        if piece.call is None and joined and joined[-1].call is None:
+        if piece.arguments:
+            last = joined[-1].call
+            joined[-1] = Piece(call=Call(last.name, last.arguments + piece.arguments))
+        elif piece.call is None and joined and joined[-1].call is None:
             joined[-1] = Piece(joined[-1].content + piece.content)
         else:
             joined.append(piece)
