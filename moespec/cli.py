@@ -81,9 +81,14 @@ def add_serve(sub) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from moespec.server.launch import serve
 
-    parsers = {"server.reasoning_parser": args.reasoning_parser, "server.tool_call_parser": args.tool_call_parser}
-    serve(load_engine_config(args, {k: v for k, v in parsers.items() if v is not None}), args.host, args.port, args.api_key, args.log_level)
+    serve(load_engine_config(args, parser_overrides(args)), args.host, args.port, args.api_key, args.log_level)
     return 0
+
+
+def parser_overrides(args: argparse.Namespace) -> dict:
+    """--reasoning-parser and --tool-call-parser as config overrides (when given)."""
+    parsers = {"server.reasoning_parser": args.reasoning_parser, "server.tool_call_parser": args.tool_call_parser}
+    return {key: value for key, value in parsers.items() if value is not None}
 
 
 def add_lazy(sub, name: str, module: str, help_text: str) -> None:

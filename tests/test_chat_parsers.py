@@ -182,3 +182,18 @@ def test_forced_call_schemas():
     assert required["maxItems"] == 1 and len(required["items"]["anyOf"]) == 2
     assert required["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     json.dumps(required)
+
+
+def test_parsers_are_config_keys_and_serve_flags():
+    from moespec.arguments import load_engine_config
+    from moespec.cli import build_parser, parser_overrides
+    from moespec.config import ConfigError, build_config
+    config = "configs/tiny-deepseek-mtp.yaml"
+    args = build_parser(["serve"]).parse_args(["serve", "--config", config, "--reasoning-parser", "deepseek-r1",
+                                               "--tool-call-parser", "hermes"])
+    server = load_engine_config(args, parser_overrides(args)).server
+    assert (server.reasoning_parser, server.tool_call_parser) == ("deepseek-r1", "hermes")
+    model = {"model": {"path": "checkpoints/tiny-deepseek-v3"}}
+    assert build_config(model).server.reasoning_parser == "none"
+    with pytest.raises(ConfigError, match="tool_call_parser"):
+        build_config({**model, "server": {"tool_call_parser": "qwen"}})
