@@ -159,6 +159,7 @@ def without_ids(message: dict) -> dict:
 
 @pytest.mark.parametrize("mode,tool_parser,forced,text", [
     ("parse", "deepseek-v3", None, f"hm</think>Sure.{DEEPSEEK_CALLS_BEGIN}{DEEPSEEK_CALL}{DEEPSEEK_CALLS_END}"),
+    ("parse", "hermes", None, 'hm</think>ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'),
     ("named", "none", "get_weather", 'plan</think>{"city": "Paris"}'),
     ("required", "none", None, 'x</think>[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'),
 ])
