@@ -71,14 +71,24 @@ def add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default: server.port from the config)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: server.api_key)")
+    p.add_argument("--reasoning-parser", choices=["none", "deepseek-r1"], default=None,
+                   help="split chat output into reasoning_content and content (default: server.reasoning_parser)")
+    p.add_argument("--tool-call-parser", choices=["none", "deepseek-v3", "hermes"], default=None,
+                   help="parse tool calls out of chat output (default: server.tool_call_parser)")
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from moespec.server.launch import serve
 
-    serve(load_engine_config(args), args.host, args.port, args.api_key, args.log_level)
+    serve(load_engine_config(args, parser_overrides(args)), args.host, args.port, args.api_key, args.log_level)
     return 0
+
+
+def parser_overrides(args: argparse.Namespace) -> dict:
+    """--reasoning-parser and --tool-call-parser as config overrides (when given)."""
+    parsers = {"server.reasoning_parser": args.reasoning_parser, "server.tool_call_parser": args.tool_call_parser}
+    return {key: value for key, value in parsers.items() if value is not None}
 
 
 def add_lazy(sub, name: str, module: str, help_text: str) -> None:

@@ -140,6 +140,11 @@ class ServerSection:
     max_grammar_chars: int = 16384  # a regex or EBNF grammar (a choice list's characters together)
     grammar_compile_timeout_s: float = 10.0  # a grammar compiling longer is stopped (400)
     max_concurrent_compiles: int = 2  # grammar compile processes running at once; more wait
+    # chat output split into reasoning_content and content (server/reasoning.py); a grammar
+    # (response_format) then constrains only the answer after the reasoning
+    reasoning_parser: Literal["none", "deepseek-r1"] = "none"
+    # tool calls parsed out of chat output (server/tool_calls.py); "none": tool_choice auto is refused
+    tool_call_parser: Literal["none", "deepseek-v3", "hermes"] = "none"
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class Requests:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         seq.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         if params.structured is not None:
-            seq.grammar = self.grammars.matcher(params.structured)
+            seq.grammar = self.grammars.matcher(params.structured, params.structured_after)
         if wants_prompt_logprobs(seq):
             seq.prompt_logprobs = prompt_logprob_slots(seq)
         return seq

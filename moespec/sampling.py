@@ -58,6 +58,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # requests share cached KV pages only with requests of the same salt
     structured: StructuredOutputs | None = None  # a grammar every output token follows (a dict of its fields too)
+    # the grammar applies only after the output has shown this text (a reasoning model's
+    # "</think>"): tokens up to and including the one that completes it are unconstrained
+    structured_after: str | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalization has to go through object.__setattr__.

@@ -166,24 +166,73 @@ def parse(spec: StructuredOutputs):
         raise GrammarError(spec.kind, engine_message(e)) from None
 
 
+class TextGate:
+    """Watches a request's output tokens for a marker text (`</think>`); `passed` once the text
+    so far contains it. Keeps one entry per token seen, so drafts roll back."""
+
+    def __init__(self, marker: str, token_text) -> None:
+        self.marker, self.token_text = marker, token_text  # token_text: token id -> its text
+        self.seen: list[tuple[str, bool]] = [("", False)]  # (text tail, passed) after each token
+
+    @property
+    def passed(self) -> bool:
+        return self.seen[-1][1]
+
+    def push(self, token: int) -> None:
+        text = self.seen[-1][0] + self.token_text(token)
+        passed = self.marker in text
+        self.seen.append(("" if passed else text[-(len(self.marker) - 1):], passed))
+
+    def pop(self) -> None:
+        self.seen.pop()
+
+
 class GrammarState:
     """One request's matcher: it has seen the request's output tokens (and, inside a
-    speculative step, the drafts it is advanced over)."""
+    speculative step, the drafts it is advanced over). With a gate, the matcher starts after the
+    token that passes the gate; before that every token is allowed (the reasoning)."""
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, gate: TextGate | None = None) -> None:
         self.matcher = matcher
+        self.gate = gate
+        self.history: list[bool] = []  # with a gate: per accepted token, whether the matcher saw it
+
+    @property
+    def open(self) -> bool:
+        """The grammar constrains the next token."""
+        return self.gate is None or self.gate.passed
 
     def accept(self, token: int) -> bool:
-        return self.matcher.accept_token(token)
+        if self.gate is None:
+            return self.matcher.accept_token(token)
+        if not self.gate.passed:
+            self.gate.push(token)
+            self.history.append(False)
+            return True
+        accepted = self.matcher.accept_token(token)
+        if accepted:
+            self.history.append(True)
+        return accepted
 
     def rollback(self, count: int) -> None:
-        if count:
+        if not count:
+            return
+        if self.gate is None:
             self.matcher.rollback(count)
+            return
+        matched = 0
+        for _ in range(count):
+            if self.history.pop():
+                matched += 1
+            else:
+                self.gate.pop()
+        if matched:
+            self.matcher.rollback(matched)
 
     @property
     def terminated(self) -> bool:
         """It accepted a stop token: the output is complete."""
-        return self.matcher.is_terminated()
+        return self.open and self.matcher.is_terminated()
 
 
 class Grammars:
@@ -201,6 +250,7 @@ class Grammars:
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # key -> CompiledGrammar
         self.compiled_bytes = 0
         self.lock = threading.Lock()  # HTTP worker threads load grammars too
+        self.texts: dict[int, str] = {}  # token id -> its text, for gates (TextGate)
 
     def start(self) -> None:
         with self.lock:
@@ -249,17 +299,25 @@ class Grammars:
                 self.compiled_bytes -= old.memory_size_bytes
             return self.compiled.get(spec.key, compiled)
 
-    def matcher(self, spec: StructuredOutputs) -> GrammarState:
+    def matcher(self, spec: StructuredOutputs, after: str | None = None) -> GrammarState:
+        """A matcher of `spec`, starting once the output shows the text `after` (if given)."""
         from xgrammar import GrammarMatcher
 
-        return GrammarState(GrammarMatcher(self.compile(spec)))
+        gate = TextGate(after, self.token_text) if after else None
+        return GrammarState(GrammarMatcher(self.compile(spec)), gate)
+
+    def token_text(self, token: int) -> str:
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def masks(self, states: list[GrammarState | None]) -> torch.Tensor:
         """[N, W] int32: row i allows what states[i] allows next. Rows without a grammar, or
-        whose grammar has terminated (nothing after its stop token is emitted), allow every
-        token. One call fills the batch (xgrammar spreads the rows over its threads)."""
+        whose grammar has terminated (nothing after its stop token is emitted) or has not
+        started (its gate is closed), allow every token. One call fills the batch (xgrammar spreads the rows over its threads)."""
         bitmask = torch.full((len(states), self.words), -1, dtype=torch.int32)
-        rows = [i for i, s in enumerate(states) if s is not None and not s.terminated]
+        rows = [i for i, s in enumerate(states) if s is not None and s.open and not s.terminated]
         if rows:
             self.batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
         return bitmask

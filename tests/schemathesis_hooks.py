@@ -40,20 +40,40 @@ def satisfies_described_constraints(body: dict, chat: bool) -> bool:
         return False
     if any(int(token) >= VOCAB_SIZE for token in (body.get("logit_bias") or {})):
         return False
-    if not structured_output_compiles(body):
+    if not structured_output_compiles(body, chat):
+        return False
+    if chat and not tools_are_served(body):
         return False
     return all(0 < n < MAX_MODEL_LEN for n in prompt_lengths(body, chat))
 
 
-def structured_output_compiles(body: dict) -> bool:
-    """At most one structured-output field, one that compiles, and min_tokens 0 beside it."""
+def tools_are_served(body: dict) -> bool:
+    """The fuzzed server has no tool-call parser: tools need tool_choice none, required or a named
+    function among them (distinct names)."""
+    from moespec.server.errors import ApiError
+    from moespec.server.protocol import ChatCompletionRequest
+    try:
+        ChatCompletionRequest.model_validate(body).check_tools()
+    except (ApiError, ValueError):
+        return False
+    return not body.get("tools") or body.get("tool_choice") not in (None, "auto")
+
+
+def structured_output_compiles(body: dict, chat: bool = False) -> bool:
+    """At most one structured-output field (a forced tool call is one), one that compiles, and
+    min_tokens 0 beside it."""
     from moespec.config import ServerSection
     from moespec.server.errors import ApiError
     from moespec.server.limits import GrammarLimits
-    from moespec.server.protocol import CompletionRequest
+    from moespec.server.protocol import ChatCompletionRequest, CompletionRequest
     from moespec.structured import parse
     try:
-        grammar = CompletionRequest.model_validate({**body, "prompt": "x"}).grammar()
+        if chat:
+            request = ChatCompletionRequest.model_validate(body)
+            request.check_tools()
+        else:
+            request = CompletionRequest.model_validate({**body, "prompt": "x"})
+        grammar = request.grammar()
         if grammar is not None:
             GrammarLimits.build(ServerSection()).check(grammar)  # the fuzzed server's bounds
             parse(grammar.spec)
@@ -63,17 +83,17 @@ def structured_output_compiles(body: dict) -> bool:
 
 
 def prompt_lengths(body: dict, chat: bool) -> list[int]:
-    if chat:
-        messages = [{"role": m["role"], "content": text_of(m.get("content"))} for m in body["messages"]]
-        text = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if chat:  # rendered as the server renders it (tools and earlier tool calls too)
+        from moespec.server.chat import render_chat, tool_mode
+        from moespec.server.protocol import ChatCompletionRequest
+        from moespec.server.errors import ApiError
+        request = ChatCompletionRequest.model_validate(body)
+        try:
+            text = render_chat(TOKENIZER, request, tool_mode(request, "none"))
+        except ApiError:  # the template refuses it: not a case the server must serve
+            return [MAX_MODEL_LEN]
         return [len(TOKENIZER.encode(text, add_special_tokens=False))]
     prompt = body["prompt"]
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     return [len(TOKENIZER.encode(p, add_special_tokens=False)) if isinstance(p, str) else len(p) for p in prompt]
-
-
-def text_of(content) -> str:
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content)
-    return content or ""

@@ -97,8 +97,8 @@ def test_chat_template_renders_roles(tiny_tokenizer):
     assert rendered == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
     closed = tiny_tokenizer.apply_chat_template(messages[1:], tokenize=False)
     assert closed == "<|user|>\nHi<|end|>\n"
-    with pytest.raises(Exception, match="allowed: system, user, assistant"):
-        tiny_tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="allowed: system, user, assistant, tool"):
+        tiny_tokenizer.apply_chat_template([{"role": "developer", "content": "x"}], tokenize=False)
 
 
 def test_project_tokenizer_loads_and_round_trips_heldout_file():

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +31,7 @@ from moespec.config import ServerSection
 from moespec.engine import Engine
 from moespec.sampling import SamplingParams
 from moespec.server.bodies import BodyParser
+from moespec.server.chat import ChatOutput, chat_choice, chat_params, render_chat, tool_mode
 from moespec.server.engine_loop import (Delta, Draining, EngineFailed, EngineLoop, Overloaded, RequestHandle,
                                         exit_process)
 from moespec.server.errors import ApiError, bad_request, error_body, install_error_handlers
@@ -39,8 +41,8 @@ from moespec.server.limits import RequestLimits
 from moespec.server.metrics import ServerMetrics
 from moespec.server.openapi import install_openapi
 from moespec.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt, RequestGrammar, SamplingRequest
-from moespec.server.responses import (SSE_DONE, Choice, CompletionShape, TokenNames, UsageTotals, chat_choice,
-                                      chat_logprobs, completion_choice, completion_payload, sse)
+from moespec.server.responses import (SSE_DONE, Choice, CompletionShape, TokenNames, UsageTotals, chat_logprobs,
+                                      completion_choice, completion_payload, sse)
 from moespec.server import tokens as token_endpoints
 from moespec.server.tokens import DetokenizeRequest, TokenizeRequest, require_tokenizer
 from moespec.structured import GrammarError
@@ -252,19 +254,23 @@ async def create_chat_completion(request: Request) -> Response:
     server = server_of(request)
     body = await server.parse(ChatCompletionRequest, request)
     server.check_model(body.model)
+    settings = server.settings
+    mode = tool_mode(body, settings.tool_call_parser)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     grammar = body.grammar()
-    params = body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size, grammar)
+    params = chat_params(body.sampling_params(max_tokens, body.num_logprobs(), server.engine.vocab_size, grammar),
+                         settings, mode)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prompt = await run_in_threadpool(render_chat, server, body)
+    prompt = await run_in_threadpool(render_chat, server.engine.tokenizer, body, mode)
     handle = await until_disconnected(request, server.submit(request_id, [prompt], params, grammar))
     header = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": server.model_name}
+    outputs = partial(ChatOutput, settings.reasoning_parser, mode, settings.tool_call_parser, body.forced_function())
     if body.stream:
         header["object"] = "chat.completion.chunk"
-        chunks = stream_chat(server, handle, header, body.logprobs, body.include_usage, params.n)
+        chunks = stream_chat(server, handle, header, body.logprobs, body.include_usage, params.n, outputs)
         return AbortOnCloseResponse(chunks, lambda: server.loop.abort(handle.request_ids))
     choices, usage = await gather(server, handle, request, params.n)
-    return JSONResponse({**header, "choices": [chat_choice(c, server.names, body.logprobs) for c in choices],
+    return JSONResponse({**header, "choices": [chat_choice(c, server.names, body.logprobs, outputs()) for c in choices],
                          "usage": usage.as_dict()})
 
 
@@ -293,17 +299,6 @@ async def tokenizer_info(request: Request) -> JSONResponse:
     engine = server_of(request).engine
     require_tokenizer(engine.tokenizer)
     return JSONResponse(token_endpoints.tokenizer_info(engine.tokenizer, engine.max_model_len, engine.vocab_size))
-
-
-def render_chat(server: ServerState, body: ChatCompletionRequest) -> str:
-    tokenizer = server.engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "messages: this model has no chat template; use /v1/completions", "messages")
-    messages = [m.as_template_input() for m in body.messages]
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja's TemplateError, raise_exception() in the template
-        raise ApiError(400, f"messages: {e}", "messages") from None
 
 
 async def until_disconnected(request: Request, preparation: Awaitable[RequestHandle]) -> RequestHandle:
@@ -364,41 +359,52 @@ async def stream_completion(server: ServerState, handle: RequestHandle, header: 
                             include_usage: bool, n: int) -> AsyncIterator[str]:
     offsets: dict[int, int] = {}  # per choice: the characters sent (its first delta opens it: the echo)
 
-    def choice(delta: Delta) -> dict:
+    def choice(delta: Delta) -> list[dict]:
         opening = delta.index not in offsets
         offset = offsets.setdefault(delta.index, 0)
         payload = completion_payload(delta.index, delta.text, delta.logprobs, delta.prompt_logprobs, server.names,
                                      shape, offset, opening)
         offsets[delta.index] += len(payload["text"])
-        return payload | {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        return [payload | {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}]
 
     async for event in stream_choices(handle, header, include_usage, n, choice, first=[]):
         yield event
 
 
 async def stream_chat(server: ServerState, handle: RequestHandle, header: dict, want_logprobs: bool,
-                      include_usage: bool, n: int) -> AsyncIterator[str]:
-    def choice(delta: Delta) -> dict:
+                      include_usage: bool, n: int, outputs: Callable[[], ChatOutput]) -> AsyncIterator[str]:
+    """One chunk per chat delta (reasoning, content, a tool call); a delta's logprobs and finish
+    reason go on its last chunk."""
+    per_choice = [outputs() for _ in handle.request_ids]
+
+    def choices(delta: Delta) -> list[dict]:
+        output = per_choice[delta.index]
+        parts = output.feed(delta.text) + (output.finish() if delta.finish_reason is not None else [])
         logprobs = chat_logprobs(delta.logprobs, server.names) if want_logprobs else None
-        return {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        chunks = [{"index": delta.index, "delta": part, "logprobs": None, "finish_reason": None} for part in parts]
+        if not chunks or logprobs or delta.finish_reason is not None:
+            chunks = chunks or [{"index": delta.index, "delta": {"content": ""}, "logprobs": None}]
+            chunks[-1].update(logprobs=logprobs, finish_reason=output.finish_reason(delta.finish_reason),
+                              stop_reason=delta.stop_reason)
+        return chunks
 
     roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for i in range(len(handle.request_ids))]
-    async for event in stream_choices(handle, header, include_usage, n, choice, first=roles):
+    async for event in stream_choices(handle, header, include_usage, n, choices, first=roles):
         yield event
 
 
 async def stream_choices(handle: RequestHandle, header: dict, include_usage: bool, n: int,
-                         choice: Callable[[Delta], dict], first: list[dict]) -> AsyncIterator[str]:
-    """SSE events of one request: `first` choices, one event per delta, usage if asked, [DONE]."""
+                         choice: Callable[[Delta], list[dict]], first: list[dict]) -> AsyncIterator[str]:
+    """SSE events of one request: `first` choices, the events of each delta, usage if asked, [DONE]."""
     usage = UsageTotals.for_request(handle, n)
     for opening in first:
         yield sse({**header, "choices": [opening]})
     try:
         async for delta in handle.deltas():
             usage.add(delta)
-            yield sse({**header, "choices": [choice(delta)]})
+            for chunk in choice(delta):
+                yield sse({**header, "choices": [chunk]})
     except EngineFailed as e:
         yield sse(error_body(500, str(e)))
     if include_usage:

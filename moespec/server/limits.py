@@ -44,6 +44,7 @@ class RequestLimits:
         elif isinstance(request, ChatCompletionRequest):
             self.check_n(request.n or 1, 1)
             self.check_messages(request.messages)
+            request.check_tools()
         elif isinstance(request, (TokenizeRequest, DetokenizeRequest)):
             self.check_token_request(request)
             return

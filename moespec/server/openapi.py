@@ -96,16 +96,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null: only reasoning or tool calls
+    reasoning_content: str | None = None  # with server.reasoning_parser
+    reasoning: str | None = None  # the same (vLLM's newer name)
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Finish
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None
 
 
@@ -185,7 +199,8 @@ SSE_EVENT = {  # one server-sent event (stream: true); its data is a JSON chunk,
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "A chunk object as JSON, or [DONE] at the end"},
                    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
-ONE_GRAMMAR = "At most one of response_format, structured_outputs and the guided_* fields constrains a request."
+ONE_GRAMMAR = ("At most one of response_format, structured_outputs, the guided_* fields and a forced tool call "
+               "constrains a request.")
 CROSS_FIELD = {
     "min_tokens": "At most max_tokens (max_completion_tokens for chat); 0 with a structured output.",
     "response_format": "json_schema needs json_schema.schema, a JSON schema that xgrammar compiles within the "
@@ -201,6 +216,11 @@ CROSS_FIELD = {
     "top_logprobs": "Needs logprobs: true.",
     "echo": "The prompt comes back before the completion; with logprobs, its tokens' logprobs too (the first "
             "token's null).",
+    "tools": "Function names are distinct. With tool_choice auto (the default when tools are given) the server "
+             "needs a tool-call parser (server.tool_call_parser).",
+    "tool_choice": "Needs tools; a named function must be among them. required or a named function force a call "
+                   "by a grammar built from the parameters schemas (it must compile within the grammar bounds). "
+                   + ONE_GRAMMAR,
     "prompt": "Text must tokenize to fewer than max_model_len tokens.",
     "messages": "Their contents together must fit the prompt's character bound, and the rendered chat must "
                 "tokenize to fewer than max_model_len tokens.",
@@ -283,6 +303,9 @@ def constrain_requests(components: dict, state) -> None:
                 fields[field]["description"] = note
     components["CompletionRequest"]["properties"]["max_tokens"]["description"] = (
         "0 only with echo or prompt_logprobs: the prompt is scored, nothing generated.")
+    for name in ("functions", "function_call"):  # OpenAI's deprecated tool fields
+        components["ChatCompletionRequest"]["properties"][name] = {
+            "type": "null", "description": "Deprecated and not supported: use tools and tool_choice."}
     prompt = components["CompletionRequest"]["properties"]["prompt"]
     for text in each_schema(prompt, "string"):
         text["maxLength"] = limits.max_prompt_chars

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from moespec.sampling import MAX_LOGPROBS, SamplingParams
 from moespec.server.errors import ApiError, bad_request
+from moespec.server.tool_calls import forced_call_schema
 from moespec.structured import GrammarError, StructuredOutputs
 
 Prompt = str | list[int]
@@ -20,6 +21,7 @@ MAX_STOP_STRINGS = 16  # each one is searched for after every token
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
 FIELD_RULES = {  # the rule a field's validation error is completed with
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings, each of 1 to {MAX_STOP_CHARS} characters",
     "stop_token_ids": f"at most {MAX_STOP_TOKEN_IDS} token ids",
@@ -235,18 +237,75 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: str  # the roles the model's chat template accepts (limits.py)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is enforced wherever a grammar forces a call
+
+    def template_input(self) -> dict:
+        return self.model_dump(exclude_none=True)
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -254,6 +313,39 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None  # OpenAI's deprecated names for tools and tool_choice: refused
+    function_call: str | dict | None = None
+
+    def constraints(self) -> list[tuple[str, dict]]:
+        return [*super().constraints(), ("tool_choice", self.tool_constraint())]
+
+    def forced_function(self) -> str | None:
+        """The function a named tool_choice forces."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tool_constraint(self) -> dict:
+        """A named or `required` tool_choice: the grammar of the call it forces."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return {}
+        functions = [tool.function.model_dump() for tool in self.tools]
+        return {"json": forced_call_schema(functions, self.forced_function(), self.parallel_tool_calls is not False)}
+
+    def check_tools(self) -> None:
+        """400s for the tool fields this server cannot honour."""
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise ApiError(400, f"{name}: deprecated and not supported; use tools and tool_choice", name)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError(400, "tool_choice: needs tools", "tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools: function names must be distinct", "tools")
+        forced = self.forced_function()
+        if forced is not None and forced not in names:
+            raise ApiError(400, f"tool_choice: function {forced!r} is not among tools", "tool_choice")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -185,12 +185,6 @@ def completion_payload(index: int, text: str, logprobs: list[TokenLogprob], scor
     return body
 
 
-def chat_choice(choice: Choice, names: TokenNames, want_logprobs: bool) -> dict:
-    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-            "logprobs": chat_logprobs(choice.logprobs, names) if want_logprobs else None,
-            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-
-
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 

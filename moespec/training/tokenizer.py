@@ -30,12 +30,30 @@ DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_MODEL_MAX_LENGTH = 2048
 
 # Each message is "<|role|>\ncontent<|end|>\n"; a generation prompt opens the assistant turn.
+# With tools, a system turn lists them first; an assistant's calls and a tool's results use
+# DeepSeek-V3's markers (server/tool_calls.py parses them: tool_call_parser deepseek-v3).
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|system|>\\n## Tools\\nCall a function as <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    "function<｜tool▁sep｜>NAME\\n```json\\nARGUMENTS\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>\\n' }}"
+    "{% for tool in tools %}{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    "{% endfor %}{{ '<|end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown chat role ' + message['role'] + '; allowed: system, user, assistant') }}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role ' + message['role'] + '; allowed: system, user, assistant, tool') }}"
     "{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call['function']['name'] + '\\n```json\\n' }}"
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string "
+    "else call['function']['arguments'] | tojson }}"
+    "{{ '\\n```<｜tool▁call▁end｜>' }}"
+    "{% endfor %}{{ '<｜tool▁calls▁end｜><|end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|tool|>\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜><|end|>\\n' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
