@@ -1,0 +1,193 @@
+"""Where routed experts live under expert-parallel load balancing (EPLB): E logical experts
+on P = E + R physical slots, P / G slots on each of G ranks, per MoE layer.
+
+The algorithm is the one DeepSeek published (deepseek-ai/EPLB), written here from its
+description:
+
+1. replicate: every logical expert gets one slot; each of the R extra slots goes, one at a
+   time, to the expert whose load per copy (load / copies) is then the highest;
+2. pack: the slots, each weighing its expert's load per copy, go into bins of equal slot
+   counts, heaviest first, each into the lightest bin that still has room.
+
+Hierarchical (expert groups divide evenly over nodes): the groups of a layer are first packed
+onto nodes (bins of whole groups, so a token's group-limited routing stays within few nodes),
+then replicated within each node and packed onto that node's ranks. Global: one node, one
+group, the same two steps over all ranks (DeepSeek uses it for decode at large EP).
+
+Everything here is CPU torch over host tensors; the result is a `Placement`, whose device
+tables route each (token, expert) pair to one replica.
+
+Shapes legend: Y MoE layers, E logical experts, P physical slots (E + R), G ranks, X the most
+copies any expert has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Algorithm = Literal["auto", "hierarchical", "global"]
+
+
+class PlacementError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """phys_to_log [Y, P]: the logical expert slot p holds (slot p lives on rank p // (P / G))."""
+
+    phys_to_log: torch.Tensor  # [Y, P] int64
+    num_ranks: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.phys_to_log.shape[1]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def num_experts(self) -> int:
+        return int(self.phys_to_log.max()) + 1
+
+    def replica_counts(self, num_experts: int) -> torch.Tensor:
+        """-> copies of each logical expert [Y, E]."""
+        Y = self.phys_to_log.shape[0]
+        ones = torch.ones_like(self.phys_to_log)
+        return torch.zeros(Y, num_experts, dtype=torch.int64).scatter_add_(1, self.phys_to_log, ones)
+
+    def replica_table(self, num_experts: int) -> torch.Tensor:
+        """-> log_to_phys [Y, E, X]: each logical expert's slots in ascending order, -1 past its
+        copies."""
+        Y, P = self.phys_to_log.shape
+        counts = self.replica_counts(num_experts)
+        table = torch.full((Y, num_experts, int(counts.max())), -1, dtype=torch.int64)
+        for layer in range(Y):
+            seen = [0] * num_experts
+            for slot, expert in enumerate(self.phys_to_log[layer].tolist()):
+                table[layer, expert, seen[expert]] = slot
+                seen[expert] += 1
+        return table
+
+    def rank_of_slot(self) -> torch.Tensor:
+        """-> [P] the rank each slot lives on."""
+        return torch.arange(self.num_slots) // self.slots_per_rank
+
+    def rank_loads(self, load: torch.Tensor) -> torch.Tensor:
+        """load [Y, E] rows per logical expert -> [Y, G] rows per rank when each expert's rows
+        split evenly over its copies."""
+        counts = self.replica_counts(load.shape[1]).to(load.dtype)
+        per_slot = load.gather(1, self.phys_to_log) / counts.gather(1, self.phys_to_log)  # [Y, P]
+        return per_slot.view(per_slot.shape[0], self.num_ranks, -1).sum(2)
+
+
+def trivial_placement(num_layers: int, num_experts: int, num_redundant: int, num_ranks: int) -> Placement:
+    """Expert e in slot e; the R extra slots hold experts 0..R-1 again (spread by rank order),
+    so every rank has the same slot count."""
+    extra = torch.arange(num_redundant) % num_experts
+    row = interleave_slots(torch.arange(num_experts), extra, num_ranks)
+    return Placement(row.repeat(num_layers, 1), num_ranks)
+
+
+def interleave_slots(base: torch.Tensor, extra: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """base [E] in rank order, E/G per rank, and extra [R], R/G per rank -> [P] with each rank's
+    base experts followed by its extra ones."""
+    per_rank = torch.cat([base.view(num_ranks, -1), extra.view(num_ranks, -1)], dim=1)
+    return per_rank.flatten()
+
+
+def imbalance(rank_loads: torch.Tensor) -> torch.Tensor:
+    """rank_loads [..., G] -> (max - mean) / mean over the ranks [...]."""
+    mean = rank_loads.float().mean(-1)
+    return (rank_loads.float().amax(-1) - mean) / mean.clamp(min=1e-9)
+
+
+def balancedness(rank_loads: torch.Tensor) -> torch.Tensor:
+    """rank_loads [..., G] -> mean / max over the ranks [...] (1: perfectly balanced)."""
+    return rank_loads.float().mean(-1) / rank_loads.float().amax(-1).clamp(min=1e-9)
+
+
+# ------------------------------------------------------------------------- the algorithm
+
+def pack_balanced(weights: list[float], num_bins: int) -> list[int]:
+    """weights [n] (n a multiple of num_bins) -> the bin of each item: n / num_bins items per
+    bin, heaviest item first into the lightest bin with room (ties: the lower bin)."""
+    capacity = len(weights) // num_bins
+    if capacity * num_bins != len(weights):
+        raise PlacementError(f"{len(weights)} items do not split evenly into {num_bins} bins")
+    totals, sizes, where = [0.0] * num_bins, [0] * num_bins, [0] * len(weights)
+    for item in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        best = min((b for b in range(num_bins) if sizes[b] < capacity), key=lambda b: (totals[b], b))
+        where[item] = best
+        totals[best] += weights[item]
+        sizes[best] += 1
+    return where
+
+
+def replicate(load: list[float], num_slots: int) -> list[int]:
+    """load [E] -> copies of each expert [E] summing to num_slots: one each, then every extra
+    copy to the expert with the highest load per copy (ties: the lower id)."""
+    copies = [1] * len(load)
+    for _ in range(num_slots - len(load)):
+        best = max(range(len(load)), key=lambda e: (load[e] / copies[e], -e))
+        copies[best] += 1
+    return copies
+
+
+def place_slots(load: list[float], experts: list[int], num_slots: int, num_bins: int) -> list[list[int]]:
+    """Replicate `experts` (their loads in load) onto num_slots slots and pack them into
+    num_bins bins -> each bin's logical experts (in slot order: by expert, then copy)."""
+    copies = replicate([load[e] for e in experts], num_slots)
+    slots = [(e, load[e] / c) for e, c in zip(experts, copies) for _ in range(c)]
+    where = pack_balanced([w for _, w in slots], num_bins)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for (expert, _), b in zip(slots, where):
+        bins[b].append(expert)
+    return bins
+
+
+def place_layer(load: list[float], num_slots: int, num_groups: int, num_nodes: int, num_ranks: int) -> list[int]:
+    """One layer's load [E] -> the logical expert of each of num_slots slots, rank after rank."""
+    E = len(load)
+    group_size = E // num_groups
+    groups = [list(range(g * group_size, (g + 1) * group_size)) for g in range(num_groups)]
+    node_of_group = pack_balanced([sum(load[e] for e in grp) for grp in groups], num_nodes)
+    row: list[int] = []
+    for node in range(num_nodes):
+        experts = [e for g, grp in enumerate(groups) if node_of_group[g] == node for e in grp]
+        for bin_ in place_slots(load, experts, num_slots // num_nodes, num_ranks // num_nodes):
+            row += bin_
+    return row
+
+
+def choose_algorithm(algorithm: Algorithm, num_groups: int, num_nodes: int) -> Algorithm:
+    """auto: hierarchical when the expert groups divide evenly over the nodes, global otherwise."""
+    if algorithm != "auto":
+        return algorithm
+    return "hierarchical" if num_groups % num_nodes == 0 else "global"
+
+
+def check_shape(num_experts: int, num_slots: int, num_ranks: int, num_groups: int, num_nodes: int,
+                algorithm: Algorithm) -> None:
+    if num_slots < num_experts or num_slots % num_ranks:
+        raise PlacementError(f"{num_slots} physical slots for {num_experts} experts do not split evenly over "
+                             f"{num_ranks} ranks")
+    if algorithm == "hierarchical":
+        if num_experts % num_groups or num_groups % num_nodes or num_ranks % num_nodes or num_slots % num_nodes:
+            raise PlacementError(f"hierarchical placement needs {num_groups} expert groups and {num_ranks} ranks "
+                                 f"to divide evenly over {num_nodes} nodes")
+
+
+def compute_placement(load: torch.Tensor, num_redundant: int, num_ranks: int, num_groups: int = 1,
+                      num_nodes: int = 1, algorithm: Algorithm = "auto") -> Placement:
+    """load [Y, E] routed rows per logical expert -> the `Placement` of E + R slots on num_ranks."""
+    Y, E = load.shape
+    algorithm = choose_algorithm(algorithm, num_groups, num_nodes)
+    if algorithm == "global":
+        num_groups, num_nodes = 1, 1
+    num_slots = E + num_redundant
+    check_shape(E, num_slots, num_ranks, num_groups, num_nodes, algorithm)
+    rows = [place_layer(load[y].double().tolist(), num_slots, num_groups, num_nodes, num_ranks) for y in range(Y)]
+    return Placement(torch.tensor(rows, dtype=torch.int64), num_ranks)

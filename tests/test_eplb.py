@@ -1,0 +1,86 @@
+"""Expert-parallel load balancing: the placement algorithm, its config, the load recorder,
+redundant experts and live rebalancing (docs/expert-parallel.md, "EPLB")."""
+import pytest
+import torch
+
+from moespec.config import ConfigError, build_config
+from moespec.parallel.placement import (PlacementError, compute_placement, imbalance, pack_balanced, replicate,
+                                        trivial_placement)
+
+
+def skewed_load(num_layers: int, num_experts: int, seed: int = 0) -> torch.Tensor:
+    """[Y, E] routed rows where the top 10% of experts take about half of them."""
+    g = torch.Generator().manual_seed(seed)
+    load = torch.rand(num_layers, num_experts, generator=g) * 100 + 50
+    hot = max(1, num_experts // 10)
+    for y in range(num_layers):
+        top = torch.randperm(num_experts, generator=g)[:hot]
+        load[y, top] = load[y].sum() / hot
+    return load
+
+
+@pytest.mark.parametrize("algorithm,groups,nodes", [("global", 1, 1), ("hierarchical", 4, 2), ("auto", 8, 2),
+                                                    ("auto", 3, 2)])
+def test_placement_covers_every_expert_with_equal_slots_per_rank(algorithm, groups, nodes):
+    E, R, G = 24, 8, 4
+    load = skewed_load(3, E)
+    placement = compute_placement(load, R, G, num_groups=groups, num_nodes=nodes, algorithm=algorithm)
+    assert placement.phys_to_log.shape == (3, E + R)
+    counts = placement.replica_counts(E)
+    assert bool((counts >= 1).all()) and bool((counts.sum(1) == E + R).all())
+    table = placement.replica_table(E)  # every replica is listed once, at a slot holding its expert
+    for y in range(3):
+        for e in range(E):
+            slots = table[y, e][table[y, e] >= 0]
+            assert len(slots) == counts[y, e]
+            assert bool((placement.phys_to_log[y, slots] == e).all())
+    assert placement.slots_per_rank == (E + R) // G
+
+
+def test_placement_reduces_imbalance_on_skewed_loads():
+    E, G = 32, 4
+    load = skewed_load(4, E, seed=1)
+    before = imbalance(trivial_placement(4, E, 0, G).rank_loads(load))
+    after = imbalance(compute_placement(load, 4, G, algorithm="global").rank_loads(load))
+    assert float(before.max()) >= 0.5, before
+    assert bool((after < before / 2).all()) and float(after.max()) <= 0.15, (before, after)
+
+
+def test_hierarchical_keeps_a_group_on_one_node():
+    E, G, groups, nodes = 16, 4, 4, 2
+    load = skewed_load(1, E)
+    placement = compute_placement(load, 4, G, num_groups=groups, num_nodes=nodes, algorithm="hierarchical")
+    node_of_slot = placement.rank_of_slot() // (G // nodes)
+    for group in range(groups):
+        members = torch.arange(group * 4, group * 4 + 4)
+        nodes_hit = {int(node_of_slot[s]) for s in range(E + 4) if int(placement.phys_to_log[0, s]) in members}
+        assert len(nodes_hit) == 1
+
+
+def test_replicate_and_pack_by_hand():
+    assert replicate([10.0, 1.0, 4.0], 5) == [3, 1, 1]  # 10 -> 5 -> 3.33 per copy, still above 4
+    assert pack_balanced([5.0, 4.0, 3.0, 3.0], 2) == [0, 1, 1, 0]
+    with pytest.raises(PlacementError):
+        pack_balanced([1.0, 2.0, 3.0], 2)
+    with pytest.raises(PlacementError, match="hierarchical"):
+        compute_placement(torch.ones(1, 12), 4, 4, num_groups=3, num_nodes=2, algorithm="hierarchical")
+
+
+def test_eplb_config_defaults_off_and_nested_override():
+    assert not build_config({"model": {"path": "m"}}).parallel.eplb.enabled
+    config = build_config({"model": {"path": "m"}, "parallel": {"ep_size": 4}},
+                          {"parallel.eplb.num_redundant_experts": 8, "parallel.eplb.algorithm": "global"})
+    assert (config.parallel.eplb.num_redundant_experts, config.parallel.eplb.algorithm) == (8, "global")
+    assert config.parallel.eplb.enabled and config.parallel.eplb.window_steps == 32
+
+
+@pytest.mark.parametrize("parallel,match", [
+    ({"ep_size": 1, "eplb": {"num_redundant_experts": 2}}, "parallel.eplb.num_redundant_experts needs parallel.ep_size"),
+    ({"ep_size": 4, "eplb": {"num_redundant_experts": 6}}, "parallel.eplb.num_redundant_experts 6 is not a multiple"),
+    ({"ep_size": 2, "eplb": {"window_steps": 0}}, "parallel.eplb.window_steps"),
+    ({"ep_size": 2, "eplb": {"algorithm": "greedy"}}, "parallel.eplb.algorithm"),
+    ({"ep_size": 2, "eplb": {"slots": 2}}, "unknown key parallel.eplb.slots"),
+])
+def test_eplb_bad_configs_name_the_key(parallel, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config({"model": {"path": "m"}, "parallel": parallel})
