@@ -50,6 +50,7 @@ class StepReport:
     free_pages: int = 0
     num_pages: int = 0
     moe_tokens: int = 0  # the most tokens any of its MoE-bearing forwards this step sends (decode steps)
+    rebalance: int = 0  # rank 0: move the experts to a new placement before this step (parallel.eplb)
 
     @classmethod
     def size(cls) -> int:
@@ -84,6 +85,7 @@ class StepPlan:
     sent: tuple[int, ...]  # [G] commands rank 0 has sent to each rank so far
     loads: tuple[RankLoad, ...]  # [G]
     capacity: int = 1  # C of the fixed-capacity exchange this step: every rank's tokens fit
+    rebalance: bool = False  # rank 0 asked: every rank moves its experts before the step's forwards
 
 
 def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
@@ -97,14 +99,16 @@ def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
     loads = tuple(RankLoad(r.running, r.waiting, r.free_pages, r.num_pages) for r in reports)
     capacity = 1 << max(0, max(r.moe_tokens for r in reports) - 1).bit_length()  # a power of two: few shapes
     return StepPlan(bool(reports[0].stop), any(r.has_work for r in reports), ks, mtp_before, mtp_after,
-                    all(r.decode for r in reports), sent or (0,) * len(reports), loads, capacity)
+                    all(r.decode for r in reports), sent or (0,) * len(reports), loads, capacity,
+                    bool(reports[0].rebalance))
 
 
 class Lockstep:
     """This rank's part in each step's agreement and MoE-bearing forwards."""
 
-    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool) -> None:
-        self.ctx, self.runtime, self.fixed = ranks.ctx, ranks.runtime, fixed
+    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool,
+                 balancer=None) -> None:
+        self.ctx, self.runtime, self.fixed, self.balancer = ranks.ctx, ranks.runtime, fixed, balancer
         self.target_experts, self.mtp_experts, self.dtype = target_experts, mtp_experts, dtype
         self.plan: StepPlan | None = None  # the step whose forwards run now
         self.latest: StepPlan | None = None  # the last agreement (overlap: the step after the running one)
@@ -129,8 +133,15 @@ class Lockstep:
         return self.latest
 
     def begin(self, plan: StepPlan) -> None:
-        """The agreed step `plan` runs its forwards now (on the engine's thread)."""
+        """The agreed step `plan` runs its forwards now (on the engine's thread). The step boundary
+        first: the last step's expert loads into the window, and an agreed rebalance (parallel.eplb)."""
+        if self.balancer is not None:
+            self.balancer.step_boundary(self.plan is not None and self.plan.run, plan.rebalance)
         self.plan, self.mtp_done = plan, 0
+
+    def rebalance_due(self) -> bool:
+        """Rank 0 asks for a rebalance every parallel.eplb.rebalance_interval_steps steps."""
+        return self.balancer is not None and self.ctx.ep_rank == 0 and self.balancer.due()
 
     def two_batch_split(self, batch: Batch) -> int | None:
         """Two-batch overlap: the request where this batch's forwards split (EPRuntime)."""
@@ -169,6 +180,18 @@ class Lockstep:
         while self.mtp_done < count:
             self.mtp_done += 1
             self.runtime.join(self.mtp_experts, self.dtype, self.low_latency, self.capacity)
+
+
+def build_balancer(eplb, layers: list, ctx, model_config):
+    """The load recorder and, with parallel.eplb on, the replica tables over `layers` (the target's
+    EP layers, then the MTP layer's), placed from parallel.eplb.init or trivially; None without EP layers."""
+    if not layers:
+        return None
+    from moespec.parallel.eplb import ExpertBalancer
+
+    balancer = ExpertBalancer(eplb, layers, ctx, num_groups=getattr(model_config, "n_group", 1) or 1)
+    balancer.start_from(eplb.init)
+    return balancer
 
 
 def ep_layers(module: torch.nn.Module) -> list:

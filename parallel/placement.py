@@ -84,18 +84,11 @@ class Placement:
 
 
 def trivial_placement(num_layers: int, num_experts: int, num_redundant: int, num_ranks: int) -> Placement:
-    """Expert e in slot e; the R extra slots hold experts 0..R-1 again (spread by rank order),
-    so every rank has the same slot count."""
-    extra = torch.arange(num_redundant) % num_experts
-    row = interleave_slots(torch.arange(num_experts), extra, num_ranks)
-    return Placement(row.repeat(num_layers, 1), num_ranks)
-
-
-def interleave_slots(base: torch.Tensor, extra: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """base [E] in rank order, E/G per rank, and extra [R], R/G per rank -> [P] with each rank's
-    base experts followed by its extra ones."""
-    per_rank = torch.cat([base.view(num_ranks, -1), extra.view(num_ranks, -1)], dim=1)
-    return per_rank.flatten()
+    """Rank r's slots: its own E / G experts (r * E / G on), then R / G more copies of them in
+    turn, so a rank fills every slot from the checkpoint tensors it reads anyway."""
+    base, extra = num_experts // num_ranks, num_redundant // num_ranks
+    rows = [r * base + j % base for r in range(num_ranks) for j in list(range(base)) + list(range(extra))]
+    return Placement(torch.tensor(rows, dtype=torch.int64).repeat(num_layers, 1), num_ranks)
 
 
 def imbalance(rank_loads: torch.Tensor) -> torch.Tensor:

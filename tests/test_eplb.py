@@ -84,3 +84,100 @@ def test_eplb_config_defaults_off_and_nested_override():
 def test_eplb_bad_configs_name_the_key(parallel, match):
     with pytest.raises(ConfigError, match=match):
         build_config({"model": {"path": "m"}, "parallel": parallel})
+
+
+# ------------------------------------------------------------------ across ranks (spawned, gloo)
+
+def eplb_config(paths: dict, ep_size: int, s: dict):
+    import dataclasses
+
+    from test_distributed_engine import engine_config
+    config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
+                           exchange=s.get("exchange", "fixed"))
+    if ep_size == 1:
+        return config
+    eplb = dataclasses.replace(config.parallel.eplb, num_redundant_experts=s.get("redundant", ep_size),
+                               window_steps=4, rebalance_interval_steps=4, algorithm=s.get("algorithm", "auto"))
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, eplb=eplb))
+
+
+def slots_hold_their_experts(engine, path: str) -> bool:
+    """Every local slot of every EP layer holds the checkpoint's weights of the logical expert
+    the placement puts there."""
+    from moespec.models import load_model
+    reference = load_model(path)
+    full = [m for m in reference.modules() if type(m).__name__ == "LocalExperts"]
+    balancer = engine.lockstep.balancer
+    for index, layer in enumerate(balancer.layers):
+        row = balancer.tables.placement.phys_to_log[index]
+        for j in range(layer.num_local):
+            expert = int(row[layer.first + j])
+            if not (torch.equal(layer.w13[j], full[index].w13[expert]) and
+                    torch.equal(layer.w2[j], full[index].w2[expert])):
+                return False
+    return True
+
+
+def eplb_rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
+    """Per scenario: (outputs on rank 0, rebalances, slots moved between ranks, slots hold their
+    experts, per-layer stats, slot ranks of expert replicas before and after)."""
+    from test_distributed_engine import run_schedule
+
+    from moespec.distributed import join_ranks
+    from moespec.engine import Engine
+    ranks = join_ranks(eplb_config(paths, ep_size, scenarios[0]))
+    results = []
+    try:
+        for s in scenarios:
+            engine = Engine(eplb_config(paths, ep_size, s), ranks=ranks)
+            balancer = engine.lockstep.balancer
+            before = balancer.tables.placement.phys_to_log.clone()
+            if ranks.ctx.leader:
+                outputs = run_schedule(engine, s["requests"])[0]
+                engine.stop_ranks()
+            else:
+                engine.serve_forever()
+                outputs = None
+            results.append((outputs, balancer.rebalances, balancer.moved_slots,
+                            slots_hold_their_experts(engine, paths["target"]), balancer.stats(), before,
+                            balancer.tables.placement.phys_to_log.clone()))
+    finally:
+        ranks.close()
+    return results
+
+
+def check_eplb_runs(paths: dict, ep_size: int, scenarios: list[dict]):
+    from test_distributed_engine import expected_outputs
+
+    from moespec.parallel.local_launch import run_ranks
+    results = run_ranks(eplb_rank_main, ep_size, paths, ep_size, scenarios, timeout_s=300)
+    for result in results:
+        assert result.error is None, result.error
+    for i, s in enumerate(scenarios):
+        outputs, rebalances, _, holds, stats, before, after = results[0].value[i]
+        assert outputs == expected_outputs(paths, s), s
+        assert rebalances >= 2, (s, rebalances)
+        assert all(r.value[i][3] for r in results), "a slot holds other weights than its placement says"
+        assert sum(r.value[i][2] for r in results) > 0, "no expert weights moved between ranks"
+        assert not torch.equal(before, after)
+        assert stats["layers"] and sum(sum(layer["counts"]) for layer in stats["layers"]) > 0
+    return results
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    from tiny_models import save_tiny_deepseek
+    target = tmp_path_factory.mktemp("ds-mtp-eplb")
+    save_tiny_deepseek(target, mtp=True)
+    return {"target": str(target)}
+
+
+def test_eplb_ep2_rebalancing_keeps_greedy_outputs(paths):
+    """EP=2, R=2, rebalanced every 4 steps: no speculation and MTP k=2, microbatched and not,
+    equal one process token for token; weights really moved (slots hold the experts the
+    placement names, and some came from the other rank)."""
+    from test_distributed_engine import STAGGERED, TOGETHER
+    check_eplb_runs(paths, 2, [
+        {"spec": "none", "requests": TOGETHER},
+        {"spec": "mtp2", "requests": STAGGERED, "microbatch": False},
+    ])
