@@ -118,7 +118,7 @@ class EPRuntime:
     def exchange(self, num_experts: int) -> LowLatencyExchange:
         """The fixed-capacity exchange every layer shares: DeepEP's low-latency kernels on the
         process's one Buffer, or their emulation (fixed all-to-alls), one call in flight."""
-        if self.fixed is None:
+        if self.fixed is None or self.fixed.num_experts != num_experts:  # engines in turn may differ in E + R
             C = self.max_tokens_per_rank
             if self.backend == "deepep":
                 self.fixed = LowLatencyExchange(self, lambda hidden: self.deepep_buffer(hidden, num_experts, True),

@@ -181,3 +181,70 @@ def test_eplb_ep2_rebalancing_keeps_greedy_outputs(paths):
         {"spec": "none", "requests": TOGETHER},
         {"spec": "mtp2", "requests": STAGGERED, "microbatch": False},
     ])
+
+
+def test_eplb_ep4_rebalancing_keeps_greedy_outputs(paths):
+    """EP=4, R=4 (3 slots per rank for 8 experts): MTP k=1 microbatched, rebalanced every 4 steps."""
+    from test_distributed_engine import STAGGERED
+    check_eplb_runs(paths, 4, [{"spec": "mtp1", "requests": STAGGERED}])
+
+
+@pytest.mark.slow
+def test_eplb_more_combinations_keep_greedy_outputs(paths):
+    """The rest of the grid: EP=4 without speculation, MTP k=2 microbatched and not, the uneven
+    exchange, replicated attention, R=8, global placement."""
+    from test_distributed_engine import STAGGERED, TOGETHER
+    check_eplb_runs(paths, 4, [
+        {"spec": "none", "requests": TOGETHER, "microbatch": False},
+        {"spec": "mtp2", "requests": STAGGERED},
+        {"spec": "mtp2", "requests": TOGETHER, "microbatch": False, "redundant": 8, "algorithm": "global"},
+        {"spec": "mtp1", "requests": STAGGERED, "exchange": "uneven"},
+        {"spec": "mtp1", "requests": TOGETHER, "attention": "replicated"},
+    ])
+    check_eplb_runs(paths, 2, [
+        {"spec": "mtp1", "requests": STAGGERED},
+        {"spec": "none", "requests": STAGGERED, "attention": "replicated", "microbatch": False},
+    ])
+
+
+# ------------------------------------------------------------------ recorder and tables (one process)
+
+def test_recorder_counts_over_a_window_and_routes_by_position_without_host_reads():
+    from moespec.parallel.eplb import ExpertLoad, ReplicaTables
+    from moespec.parallel.placement import Placement
+    load = ExpertLoad(num_layers=2, num_experts=4, window_steps=2, device=torch.device("cpu"))
+    # layer 0: expert 0 has three copies (slots 0, 4, 5), the others one; 6 slots over 2 ranks
+    placement = Placement(torch.tensor([[0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 1, 2]]), 2)
+    tables = ReplicaTables(placement, 4, max_copies=3, device=torch.device("cpu"))
+
+    def forward(ids):  # what an EP layer does per forward: fullgraph-compilable, so no host read
+        load.record(0, ids)
+        return tables.route(0, ids)
+
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    ids = torch.tensor([[0, 1], [0, 2], [0, -1], [3, 0]])
+    assert compiled(ids).tolist() == [[0, 1], [4, 2], [5, -1], [3, 0]]  # token t -> replica t mod 3 of expert 0
+    load.end_step()
+    load.record(1, torch.tensor([[1, 2]]))
+    load.end_step()
+    load.record(0, torch.tensor([[3, 3]]))
+    load.end_step()  # the first step leaves the window of 2
+    assert load.window().tolist() == [[0, 0, 0, 2], [0, 1, 1, 0]]
+    tables.write(Placement(torch.tensor([[0, 1, 2, 3, 3, 3]] * 2), 2))  # in place: same tensors, new values
+    assert forward(torch.tensor([[3], [3], [3]])).flatten().tolist() == [3, 4, 5]
+
+
+def test_moves_take_local_copies_first():
+    from moespec.parallel.eplb import plan_moves
+    moves = plan_moves(old=[0, 1, 2, 3], new=[0, 3, 2, 1], slots_per_rank=2)
+    assert [(m.source_slot, m.source_rank, m.dest_rank) for m in moves] == [(0, 0, 0), (3, 1, 0), (2, 1, 1),
+                                                                             (1, 0, 1)]
+
+
+def test_metrics_show_expert_balance():
+    from moespec.server.metrics import ServerMetrics
+    metrics = ServerMetrics()
+    metrics.observe_experts({"rebalances": 3, "layers": [{"layer": 0, "balancedness": 0.5, "imbalance": 1.0}]})
+    text = metrics.render().decode()
+    assert 'moespec_expert_balancedness{layer="0"} 0.5' in text
+    assert 'moespec_expert_imbalance_ratio{layer="0"} 1.0' in text and "moespec_expert_rebalances 3.0" in text
