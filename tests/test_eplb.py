@@ -248,3 +248,19 @@ def test_metrics_show_expert_balance():
     text = metrics.render().decode()
     assert 'moespec_expert_balancedness{layer="0"} 0.5' in text
     assert 'moespec_expert_imbalance_ratio{layer="0"} 1.0' in text and "moespec_expert_rebalances 3.0" in text
+
+
+def test_plan_counts_replica_memory_and_refuses_too_many():
+    """DeepSeek-V3 at EP 16: 32 redundant experts are 2 more slots per rank in each of 58 MoE layers
+    + the MTP layer (each ~44 MB in FP8 with scales); 256 more do not fit on an H200."""
+    from moespec.config import load_config
+    from moespec.plan import plan_memory
+    H200 = 141 * 10 ** 9
+    base = plan_memory(load_config("configs/deepseek-v3.yaml"), H200)
+    plan = plan_memory(load_config("configs/deepseek-v3.yaml", {"parallel.eplb.num_redundant_experts": 32}), H200)
+    replicas = {c.name: c.bytes for c in plan.components}["redundant experts (parallel.eplb.num_redundant_experts=32)"]
+    per_expert = 3 * 7168 * 2048 + 4 * (3 * 56 * 16)  # three e4m3 matrices + float32 128x128 block scales
+    assert replicas == 2 * 59 * per_expert
+    assert plan.fits and base.kv_bytes - plan.kv_bytes >= replicas - 2 ** 21
+    huge = plan_memory(load_config("configs/deepseek-v3.yaml", {"parallel.eplb.num_redundant_experts": 512}), H200)
+    assert not huge.fits and "parallel.eplb.num_redundant_experts=512" in huge.problem
