@@ -93,7 +93,8 @@ def eplb_config(paths: dict, ep_size: int, s: dict):
 
     from test_distributed_engine import engine_config
     config = engine_config(paths, ep_size, s["spec"], s.get("microbatch", True), s.get("attention", "dp"),
-                           exchange=s.get("exchange", "fixed"))
+                           exchange=s.get("exchange", "fixed"), overlap=s.get("overlap", False),
+                           compile=bool(s.get("compile")), cuda_graph=s.get("cuda_graph", False))
     if ep_size == 1:
         return config
     eplb = dataclasses.replace(config.parallel.eplb, num_redundant_experts=s.get("redundant", ep_size),
@@ -129,7 +130,12 @@ def eplb_rank_main(rank: int, paths: dict, ep_size: int, scenarios: list[dict]):
     results = []
     try:
         for s in scenarios:
+            if s.get("compile"):  # dynamo traces the step (the EP layers as opaque ops), no codegen
+                import moespec.static_step as static_step
+                static_step.COMPILE_BACKEND = s["compile"]
             engine = Engine(eplb_config(paths, ep_size, s), ranks=ranks)
+            if s.get("cuda_graph"):
+                engine.warm_up()
             balancer = engine.lockstep.balancer
             before = balancer.tables.placement.phys_to_log.clone()
             if ranks.ctx.leader:
@@ -264,3 +270,17 @@ def test_plan_counts_replica_memory_and_refuses_too_many():
     assert plan.fits and base.kv_bytes - plan.kv_bytes >= replicas - 2 ** 21
     huge = plan_memory(load_config("configs/deepseek-v3.yaml", {"parallel.eplb.num_redundant_experts": 512}), H200)
     assert not huge.fits and "parallel.eplb.num_redundant_experts=512" in huge.problem
+
+
+@pytest.mark.slow
+def test_eplb_in_compiled_captured_and_overlapped_steps(paths):
+    """The recorder and the replica tables inside compiled steps (the EP layers as opaque ops) and
+    captured steps (checked replays on CPU: the tables are rewritten in place, so a replay reads
+    the new placement), and with overlap scheduling; EP=2, rebalanced every 4 steps."""
+    from test_distributed_engine import STAGGERED, TOGETHER
+    check_eplb_runs(paths, 2, [
+        {"spec": "mtp2", "requests": STAGGERED, "compile": "eager"},
+        {"spec": "mtp2", "requests": STAGGERED, "cuda_graph": True, "microbatch": False},
+        {"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True},
+        {"spec": "mtp2", "requests": STAGGERED, "overlap": True},
+    ])
