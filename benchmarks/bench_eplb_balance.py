@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 
@@ -80,6 +81,43 @@ def pairs_per_rank(ids: list[torch.Tensor], placement, num_experts: int, max_cop
     return torch.stack(rows)
 
 
+def best_bins(weights: list[float], num_bins: int, best: float) -> float:
+    """The least possible heaviest bin of weights split into num_bins bins of equal counts
+    (exhaustive, branch and bound: for the small E + R of the tiny model only)."""
+    size = len(weights) // num_bins
+    order = sorted(weights, reverse=True)
+
+    def search(items: list[float], peak: float, bound: float) -> float:
+        if not items:
+            return peak
+        first, rest = items[0], items[1:]
+        for others in itertools.combinations(range(len(rest)), size - 1):
+            load = first + sum(rest[i] for i in others)
+            if max(peak, load) >= bound:
+                continue
+            left = [w for i, w in enumerate(rest) if i not in others]
+            bound = min(bound, search(left, max(peak, load), bound))
+        return bound
+    return search(order, 0.0, best)
+
+
+def optimum_imbalance(load: torch.Tensor, redundant: int, num_ranks: int) -> list[float]:
+    """Per layer of load [Y, E]: the least imbalance any placement of E + R slots could reach if
+    each expert's rows split evenly over its copies (every way of giving the R extra copies to
+    the busiest experts, each packed exhaustively)."""
+    out = []
+    for row in load.double().tolist():
+        busiest = sorted(range(len(row)), key=lambda e: -row[e])[:num_ranks]
+        best = float("inf")
+        for extra in itertools.combinations_with_replacement(busiest, redundant):
+            copies = [1 + extra.count(e) for e in range(len(row))]
+            best = min(best, best_bins([row[e] / copies[e] for e in range(len(row)) for _ in range(copies[e])],
+                                       num_ranks, best))
+        mean = sum(row) / num_ranks
+        out.append((best - mean) / mean)
+    return out
+
+
 def measure(path: str, ep: int, redundant: int, windows: int, window_len: int, share: float) -> dict:
     model = load_model(path)
     E = model.config.n_routed_experts
@@ -103,6 +141,8 @@ def measure(path: str, ep: int, redundant: int, windows: int, window_len: int, s
             "hot_experts": hot, "hot_share": (skewed.gather(1, torch.tensor(hot)).sum(1) / skewed.sum(1)).tolist(),
             "skewed_counts": skewed.tolist(), "imbalance_before": imbalance(before).tolist(),
             "imbalance_after": imbalance(after).tolist(),
+            "ideal_after": imbalance(balanced.rank_loads(skewed.double())).tolist(),
+            "best_possible": optimum_imbalance(skewed, redundant, ep) if E + redundant <= 16 else None,
             "placement": balanced.phys_to_log.tolist()}
 
 
@@ -123,8 +163,10 @@ def main() -> None:
     for y, row in enumerate(natural / natural.sum(1, keepdim=True)):
         print(f"  layer {y}: " + " ".join(f"{v:.3f}" for v in row.tolist()))
     print("skewed: hot share per layer", " ".join(f"{v:.2f}" for v in result["hot_share"]))
-    for name in ("natural_imbalance", "imbalance_before", "imbalance_after"):
+    for name in ("natural_imbalance", "imbalance_before", "imbalance_after", "ideal_after", "best_possible"):
         values = result[name]
+        if values is None:
+            continue
         print(f"{name}: mean {sum(values) / len(values):.3f} max {max(values):.3f} per layer "
               + " ".join(f"{v:.3f}" for v in values))
     if args.json:

@@ -98,7 +98,8 @@ def eplb_config(paths: dict, ep_size: int, s: dict):
     if ep_size == 1:
         return config
     eplb = dataclasses.replace(config.parallel.eplb, num_redundant_experts=s.get("redundant", ep_size),
-                               window_steps=4, rebalance_interval_steps=4, algorithm=s.get("algorithm", "auto"))
+                               window_steps=4, rebalance_interval_steps=4, algorithm=s.get("algorithm", "auto"),
+                               init=s.get("init"))
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, eplb=eplb))
 
 
@@ -178,15 +179,25 @@ def paths(tmp_path_factory):
     return {"target": str(target)}
 
 
-def test_eplb_ep2_rebalancing_keeps_greedy_outputs(paths):
+def test_eplb_ep2_rebalancing_keeps_greedy_outputs(paths, tmp_path):
     """EP=2, R=2, rebalanced every 4 steps: no speculation and MTP k=2, microbatched and not,
     equal one process token for token; weights really moved (slots hold the experts the
-    placement names, and some came from the other rank)."""
+    placement names, and some came from the other rank). The second run starts from a load
+    file (parallel.eplb.init, as GET /expert_load writes it): 2 MoE layers + the MTP layer's."""
+    import json
+
     from test_distributed_engine import STAGGERED, TOGETHER
-    check_eplb_runs(paths, 2, [
+    counts = [[90, 1, 2, 3, 4, 5, 6, 7], [1, 1, 1, 1, 1, 1, 1, 70], [5, 5, 5, 5, 50, 5, 5, 5]]
+    init = tmp_path / "load.json"
+    init.write_text(json.dumps({"layers": [{"layer": y, "counts": row} for y, row in enumerate(counts)]}))
+    results = check_eplb_runs(paths, 2, [
         {"spec": "none", "requests": TOGETHER},
-        {"spec": "mtp2", "requests": STAGGERED, "microbatch": False},
+        {"spec": "mtp2", "requests": STAGGERED, "microbatch": False, "init": str(init)},
     ])
+    start = results[0].value[1][5]  # the placement the engine started with
+    expected = compute_placement(torch.tensor(counts, dtype=torch.float64), 2, 2, num_groups=2)
+    assert torch.equal(start, expected.phys_to_log)
+    assert all(row.tolist().count(e) >= 2 for row, e in zip(start, (0, 7, 4)))  # each layer's hot expert: replicated
 
 
 def test_eplb_ep4_rebalancing_keeps_greedy_outputs(paths):
