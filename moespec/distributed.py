@@ -139,6 +139,10 @@ class Lockstep:
             self.balancer.step_boundary(self.plan is not None and self.plan.run, plan.rebalance)
         self.plan, self.mtp_done = plan, 0
 
+    def expert_load(self) -> dict | None:
+        """The EP layers' routed rows per expert over the last summed window (`ExpertBalancer.stats`)."""
+        return self.balancer.stats() if self.balancer is not None else None
+
     def rebalance_due(self) -> bool:
         """Rank 0 asks for a rebalance every parallel.eplb.rebalance_interval_steps steps."""
         return self.balancer is not None and self.ctx.ep_rank == 0 and self.balancer.due()

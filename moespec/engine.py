@@ -185,12 +185,6 @@ class Engine:
         self.cluster = Cluster(ranks.channel, ranks.ctx.ep_rank, ranks.ctx.ep_size, ranks.dp,
                                keys=self.scheduler.keys)
 
-    def expert_load(self) -> dict | None:
-        """The EP layers' routed rows per expert over the last summed window (`ExpertBalancer.stats`),
-        or None in one process."""
-        balancer = self.lockstep.balancer if self.lockstep is not None else None
-        return balancer.stats() if balancer is not None else None
-
     @property
     def mtp_in_lockstep(self) -> bool:
         """The built-in MTP layer's forwards run on every rank (its MoE layers exchange tokens)."""

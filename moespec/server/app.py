@@ -202,7 +202,8 @@ async def expert_load(request: Request) -> JSONResponse:
     """Routed rows per MoE layer and expert over the last load window, summed over the ranks, with
     rows per rank, balancedness and imbalance (parallel/eplb.py); a file of it seeds
     parallel.eplb.init. 404 without expert parallelism."""
-    load = server_of(request).engine.expert_load()
+    lockstep = server_of(request).engine.lockstep
+    load = lockstep.expert_load() if lockstep is not None else None
     if load is None:
         return JSONResponse(error_body(404, "no expert-parallel MoE layers: the load recorder runs with "
                                        "parallel.ep_size > 1", code="not_found"), status_code=404)

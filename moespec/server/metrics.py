@@ -107,7 +107,7 @@ class ServerMetrics:
         self.kv_usage.set(engine.allocator.usage())
         self.kv_free.set(engine.allocator.num_free)
         self.observe_ranks(engine)
-        self.observe_experts(engine.expert_load())
+        self.observe_experts(engine.lockstep.expert_load() if engine.lockstep is not None else None)
         self.observe_policy(engine.policy)
         spec = engine.spec_stats
         if spec.steps:
