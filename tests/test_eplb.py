@@ -168,7 +168,24 @@ def check_eplb_runs(paths: dict, ep_size: int, scenarios: list[dict]):
         assert sum(r.value[i][2] for r in results) > 0, "no expert weights moved between ranks"
         assert not torch.equal(before, after)
         assert stats["layers"] and sum(sum(layer["counts"]) for layer in stats["layers"]) > 0
+        check_load_dump(stats, len(before))
     return results
+
+
+def check_load_dump(stats: dict, num_layers: int) -> None:
+    """GET /expert_load's JSON (`ExpertBalancer.stats`) reads back as a parallel.eplb.init file."""
+    import json
+    import tempfile
+
+    from moespec.parallel.eplb import read_load_file
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(json.dumps(stats))
+        f.flush()
+        counts = read_load_file(f.name, num_layers, 8)
+    assert counts.tolist() == [layer["counts"] for layer in stats["layers"]]
+    for layer in stats["layers"]:
+        assert 0 < layer["balancedness"] <= 1 and layer["imbalance"] >= 0
+        assert sum(layer["rows_per_rank"]) == pytest.approx(sum(layer["counts"]))
 
 
 @pytest.fixture(scope="module")
