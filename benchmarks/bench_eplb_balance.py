@@ -142,7 +142,7 @@ def measure(path: str, ep: int, redundant: int, windows: int, window_len: int, s
             "skewed_counts": skewed.tolist(), "imbalance_before": imbalance(before).tolist(),
             "imbalance_after": imbalance(after).tolist(),
             "ideal_after": imbalance(balanced.rank_loads(skewed.double())).tolist(),
-            "best_possible": optimum_imbalance(skewed, redundant, ep) if E + redundant <= 16 else None,
+            "best_possible": optimum_imbalance(skewed, redundant, ep) if E + redundant <= 12 else None,
             "placement": balanced.phys_to_log.tolist()}
 
 
