@@ -6,7 +6,8 @@
 Each rank is a local process (gloo) holding two copies of the same random mid-size DeepSeek-V3
 model (bench_ep_overlap.py's): one with the default placement (E / G experts per rank), one with
 R redundant experts placed by EPLB. Every router's bias is raised for the top 10% of experts, so
-they are chosen by nearly every token (half the pairs at top-4 routing). The EPLB model records
+they are chosen by nearly every token (half the pairs at top-4 routing); they are experts 0 and
+1, both on rank 0 (the worst case), or random ones with --spread. The EPLB model records
 its load over --window steps with the trivial placement, then rebalances (its pause is
 reported), then both models take turns step by step.
 
@@ -41,8 +42,9 @@ from moespec.parallel.local_launch import run_ranks
 PAGE_SIZE = 16
 
 
-def build(config, runtime: EPRuntime, redundant: int, hot_bias: float) -> tuple[torch.nn.Module, list]:
-    """The bench model with R redundant slots; every router biased toward its top 10% experts."""
+def build(config, runtime: EPRuntime, redundant: int, hot_bias: float, spread: bool) -> tuple[torch.nn.Module, list]:
+    """The bench model with R redundant slots; every router biased toward its top 10% experts:
+    experts 0, 1, ... (all on rank 0 by default: the worst case), or random ones (`spread`)."""
     torch.manual_seed(0)
     model = build_model(config, experts_factory=ep_experts_factory(runtime, redundant)).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(1)
@@ -50,7 +52,8 @@ def build(config, runtime: EPRuntime, redundant: int, hot_bias: float) -> tuple[
     hot = max(1, round(0.1 * config.n_routed_experts))
     for layer in layers:
         layer.mlp.gate.weight.normal_(0, 0.5, generator=gen)
-        layer.mlp.gate.e_score_correction_bias[torch.randperm(config.n_routed_experts, generator=gen)[:hot]] = hot_bias
+        order = torch.randperm(config.n_routed_experts, generator=gen) if spread else torch.arange(hot)
+        layer.mlp.gate.e_score_correction_bias[order[:hot]] = hot_bias
     return model, [layer.mlp.experts for layer in layers]
 
 
@@ -84,8 +87,8 @@ def bench_rank(rank: int, args: argparse.Namespace) -> dict:
     link = ThrottledCollectives(ctx, LinkModel(args.latency_ms / 1e3, args.bandwidth_gbs * 1e9))
     runtime = EPRuntime(ctx, link, max_tokens_per_rank=2 * args.requests)
     config = bench_config(args)
-    off, off_experts = build(config, runtime, 0, args.hot_bias)
-    on, on_experts = build(config, runtime, args.redundant, args.hot_bias)
+    off, off_experts = build(config, runtime, 0, args.hot_bias, args.spread)
+    on, on_experts = build(config, runtime, args.redundant, args.hot_bias, args.spread)
     eplb = EPLBSection(num_redundant_experts=args.redundant, window_steps=args.window)
     balancer = ExpertBalancer(eplb, on_experts, ctx, num_groups=config.n_group)
     pairs = {"off": [0], "on": [0]}
@@ -123,11 +126,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--hot-bias", type=float, default=1.0, help="router bias of the top 10%% of experts")
+    parser.add_argument("--spread", action="store_true", help="hot experts chosen at random, not all on rank 0")
     parser.add_argument("--row-us", type=float, default=40.0, help="modelled expert compute per (row, expert) pair")
     parser.add_argument("--latency-ms", type=float, default=2.0)
     parser.add_argument("--bandwidth-gbs", type=float, default=0.2)
     parser.add_argument("--window", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     outcomes = run_ranks(bench_rank, args.ep_size, args, timeout_s=900)
