@@ -247,23 +247,24 @@ def expert_tensors(layer) -> list[torch.Tensor]:
 
 def move_layer(layer, moves: list[Move], ctx) -> None:
     """Fill this rank's slots of one layer per `moves`: local copies, and point-to-point
-    transfers over the EP group for slots whose expert was on another rank. The new slots are
-    built beside the old ones (one layer's local experts of extra memory), then copied over."""
+    transfers over the EP group for slots whose expert was on another rank (as bytes: gloo has
+    no FP8). The new slots are built beside the old ones (one layer's local experts of extra
+    memory), then copied over."""
     rank, L = ctx.ep_rank, layer.num_local
     tensors = expert_tensors(layer)
     fresh = [torch.empty_like(t) for t in tensors]
     pending = []
     for move in moves:
+        dest, source = move.dest_slot - rank * L, move.source_slot - rank * L
         if move.source_rank == rank and move.dest_rank == rank:
             for new, old in zip(fresh, tensors):
-                new[move.dest_slot - rank * L].copy_(old[move.source_slot - rank * L])
+                new[dest].copy_(old[source])
         elif move.dest_rank == rank:
-            pending += [dist.irecv(new[move.dest_slot - rank * L], group_src_rank(ctx, move.source_rank),
+            pending += [dist.irecv(new[dest].view(torch.uint8), group_src_rank(ctx, move.source_rank),
                                    group=ctx.ep_group, tag=move.dest_slot * 4 + i) for i, new in enumerate(fresh)]
         elif move.source_rank == rank:
-            pending += [dist.isend(old[move.source_slot - rank * L].contiguous(),
-                                   group_src_rank(ctx, move.dest_rank), group=ctx.ep_group,
-                                   tag=move.dest_slot * 4 + i) for i, old in enumerate(tensors)]
+            pending += [dist.isend(old[source].view(torch.uint8), group_src_rank(ctx, move.dest_rank),
+                                   group=ctx.ep_group, tag=move.dest_slot * 4 + i) for i, old in enumerate(tensors)]
     for work in pending:
         work.wait()
     for new, old in zip(fresh, tensors):

@@ -312,3 +312,40 @@ def test_eplb_in_compiled_captured_and_overlapped_steps(paths):
         {"spec": "mtp1", "requests": TOGETHER, "cuda_graph": True},
         {"spec": "mtp2", "requests": STAGGERED, "overlap": True},
     ])
+
+
+def move_fp8_main(rank: int, _):
+    """Two ranks, 3 slots each of FP8 experts with block scales: the placement [0 1 2 | 3 0 1]
+    becomes [3 1 0 | 2 3 0]; every slot must then hold its expert's bytes and scales."""
+    import types
+
+    from moespec.config import ParallelSection
+    from moespec.parallel import destroy, init_parallel
+    from moespec.parallel.eplb import move_layer, plan_moves
+    ctx = init_parallel(ParallelSection(ep_size=2, timeout_s=30))
+    try:
+        def expert(e: int) -> tuple[torch.Tensor, ...]:  # distinct bytes per expert
+            g = torch.Generator().manual_seed(e)
+            return (torch.randn(256, 128, generator=g).to(torch.float8_e4m3fn), torch.rand(2, 1, generator=g),
+                    torch.randn(128, 128, generator=g).to(torch.float8_e4m3fn), torch.rand(1, 1, generator=g))
+        old, new = [0, 1, 2, 3, 0, 1], [3, 1, 0, 2, 3, 0]
+        mine = [expert(e) for e in old[rank * 3:rank * 3 + 3]]
+        layer = types.SimpleNamespace(num_local=3, packed=None, **{
+            name: torch.stack([m[i] for m in mine]) for i, name in
+            enumerate(("w13", "w13_scale_inv", "w2", "w2_scale_inv"))})
+        move_layer(layer, plan_moves(old, new, 3), ctx)
+        for j, e in enumerate(new[rank * 3:rank * 3 + 3]):
+            want = expert(e)
+            got = (layer.w13[j], layer.w13_scale_inv[j], layer.w2[j], layer.w2_scale_inv[j])
+            if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)):
+                return False
+        return True
+    finally:
+        destroy(ctx)
+
+
+def test_fp8_experts_move_with_their_scales():
+    from moespec.parallel.local_launch import run_ranks
+    results = run_ranks(move_fp8_main, 2, None, timeout_s=60)
+    assert [r.error for r in results] == [None, None]
+    assert [r.value for r in results] == [True, True]
