@@ -101,8 +101,9 @@ def imbalance(rank_loads: torch.Tensor) -> torch.Tensor:
 
 
 def balancedness(rank_loads: torch.Tensor) -> torch.Tensor:
-    """rank_loads [..., G] -> mean / max over the ranks [...] (1: perfectly balanced)."""
-    return rank_loads.float().mean(-1) / rank_loads.float().amax(-1).clamp(min=1e-9)
+    """rank_loads [..., G] -> mean / max over the ranks [...] (1: perfectly balanced, or no rows)."""
+    peak = rank_loads.float().amax(-1)
+    return torch.where(peak > 0, rank_loads.float().mean(-1) / peak.clamp(min=1e-9), 1.0)
 
 
 # ------------------------------------------------------------------------- the algorithm
