@@ -312,9 +312,10 @@ def deepep_components(config: EngineConfig, model_config) -> list[Component]:
     from moespec.parallel.exchange import aligned_capacity
 
     tokens = aligned_capacity(dispatch_capacity(config), p.ep_size)  # EPRuntime.max_tokens_per_rank
-    M, E = model_config.hidden_size, model_config.n_routed_experts
+    # with parallel.eplb the buffer serves every physical slot (E + R): the exchange routes to slots
+    M, E = model_config.hidden_size, model_config.n_routed_experts + p.eplb.num_redundant_experts
     return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
-                      f"LowLatencyLayout for {tokens} tokens per rank x {E} experts x hidden {M}"),
+                      f"LowLatencyLayout for {tokens} tokens per rank x {E} expert slots x hidden {M}"),
             Component("DeepEP normal buffers", deepep_normal_bytes(M, p.ep_size, model_config.num_experts_per_tok),
                       "NVLink/RDMA size hints at DeepEP's default configs (estimate)")]
 

@@ -296,6 +296,8 @@ def test_plan_counts_replica_memory_and_refuses_too_many():
     per_expert = 3 * 7168 * 2048 + 4 * (3 * 56 * 16)  # three e4m3 matrices + float32 128x128 block scales
     assert replicas == 2 * 59 * per_expert
     assert plan.fits and base.kv_bytes - plan.kv_bytes >= replicas - 2 ** 21
+    deepep = [{c.name: c for c in p.components}["DeepEP low-latency buffer"] for p in (base, plan)]
+    assert "288 expert slots" in deepep[1].note and deepep[1].bytes > deepep[0].bytes  # DeepEP serves every slot
     huge = plan_memory(load_config("configs/deepseek-v3.yaml", {"parallel.eplb.num_redundant_experts": 512}), H200)
     assert not huge.fits and "parallel.eplb.num_redundant_experts=512" in huge.problem
 
