@@ -23,6 +23,7 @@ Shapes legend: G ranks in the EP group, F report fields.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -193,9 +194,17 @@ def build_balancer(eplb, layers: list, ctx, model_config):
         return None
     from moespec.parallel.eplb import ExpertBalancer
 
-    balancer = ExpertBalancer(eplb, layers, ctx, num_groups=getattr(model_config, "n_group", 1) or 1)
+    balancer = ExpertBalancer(eplb, layers, ctx, num_nodes=count_nodes(ctx.ep_size),
+                              num_groups=getattr(model_config, "n_group", 1) or 1)
     balancer.start_from(eplb.init)
     return balancer
+
+
+def count_nodes(ep_size: int) -> int:
+    """Nodes the EP group spans, from the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE,
+    slurm's SLURM_NTASKS_PER_NODE); one when neither says or they do not divide the group."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or ep_size)
+    return ep_size // per_node if 0 < per_node <= ep_size and ep_size % per_node == 0 else 1
 
 
 def ep_layers(module: torch.nn.Module) -> list:

@@ -351,3 +351,12 @@ def test_fp8_experts_move_with_their_scales():
     results = run_ranks(move_fp8_main, 2, None, timeout_s=60)
     assert [r.error for r in results] == [None, None]
     assert [r.value for r in results] == [True, True]
+
+
+def test_nodes_come_from_the_launcher(monkeypatch):
+    from moespec.distributed import count_nodes
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert (count_nodes(16), count_nodes(8), count_nodes(12)) == (2, 1, 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert count_nodes(4) == 1
