@@ -73,6 +73,22 @@ class SpeculationSection:
 
 
 @dataclass(frozen=True)
+class EPLBSection:
+    """Expert-parallel load balancing (docs/expert-parallel.md, "EPLB"): off while
+    num_redundant_experts is 0."""
+
+    num_redundant_experts: int = 0  # R extra physical expert slots over the EP group (a multiple of ep_size)
+    window_steps: int = 32  # steps of routed-token counts a placement is computed from
+    rebalance_interval_steps: int = 0  # steps between live rebalances; 0: the initial placement stays
+    algorithm: Literal["auto", "hierarchical", "global"] = "auto"  # auto: hierarchical when groups divide over nodes
+    init: str | None = None  # a load file (`moespec expert-load` JSON) for the initial placement; None: trivial
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_redundant_experts > 0
+
+
+@dataclass(frozen=True)
 class ParallelSection:
     ep_size: int = 1
     # dp: each rank serves its own requests with its own KV cache; only MoE layers exchange tokens.
@@ -95,6 +111,7 @@ class ParallelSection:
     two_batch_overlap: bool = False
     dist_backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = 120.0
+    eplb: EPLBSection = field(default_factory=EPLBSection)
 
 
 # EP sizes DeepEP's Buffer.get_dispatch_config/get_combine_config hold (deep_ep/buffer.py of v1.2.1;
@@ -166,6 +183,7 @@ class EngineConfig:
         check_positive(self.scheduler.max_num_seqs, "scheduler.max_num_seqs")
         check_positive(self.scheduler.max_num_batched_tokens, "scheduler.max_num_batched_tokens")
         check_positive(self.parallel.ep_size, "parallel.ep_size")
+        check_eplb(self.parallel)
         if self.parallel.moe_backend == "deepep" and self.parallel.ep_size not in (1,) + DEEPEP_EP_SIZES:
             raise ConfigError(f"parallel.ep_size {self.parallel.ep_size} has no DeepEP config (moe_backend: deepep); "
                               f"allowed: {', '.join(map(str, DEEPEP_EP_SIZES))} (or 1: no exchange)")
@@ -300,6 +318,25 @@ def tree_shapes(spec: SpeculationSection) -> list:
         raise ConfigError(str(e)) from None
 
 
+def check_eplb(parallel: ParallelSection) -> None:
+    """What parallel.eplb can be checked against without the model (the planner checks memory)."""
+    eplb = parallel.eplb
+    if eplb.num_redundant_experts < 0:
+        raise ConfigError(f"parallel.eplb.num_redundant_experts must be >= 0, got {eplb.num_redundant_experts}")
+    check_positive(eplb.window_steps, "parallel.eplb.window_steps")
+    if eplb.rebalance_interval_steps < 0:
+        raise ConfigError("parallel.eplb.rebalance_interval_steps must be >= 0 (0: never), got "
+                          f"{eplb.rebalance_interval_steps}")
+    if not eplb.enabled:
+        return
+    if parallel.ep_size == 1:
+        raise ConfigError("parallel.eplb.num_redundant_experts needs parallel.ep_size > 1: with one rank there is "
+                          "nothing to balance")
+    if eplb.num_redundant_experts % parallel.ep_size:
+        raise ConfigError(f"parallel.eplb.num_redundant_experts {eplb.num_redundant_experts} is not a multiple of "
+                          f"parallel.ep_size {parallel.ep_size}: every rank holds the same number of expert slots")
+
+
 def check_positive(value: int, key: str) -> None:
     if value < 1:
         raise ConfigError(f"{key} must be >= 1, got {value!r}")
@@ -349,6 +386,8 @@ def check_value(key: str, value: Any, hint: Any) -> Any:
         return float(value)
     if hint is dict and isinstance(value, dict):
         return value
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return build_section(key, hint, value)
     if origin is list and isinstance(value, (list, tuple)):
         (item,) = typing.get_args(hint)
         return [check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
@@ -406,7 +445,7 @@ def check_mapping_field(section: str, name: str) -> None:
     hint = typing.get_type_hints(section_types()[section]).get(name)
     if hint is None:
         return
-    if hint is not dict and dict not in typing.get_args(hint):
+    if hint is not dict and dict not in typing.get_args(hint) and not dataclasses.is_dataclass(hint):
         raise ConfigError(f"{section}.{name} is not a mapping: set it as {section}.{name}=VALUE")
 
 
@@ -488,7 +527,9 @@ def resolve_paths(config: EngineConfig, base_dir: Path | None) -> EngineConfig:
     draft = dataclasses.replace(config.draft, model=resolve_path(config.draft.model, base_dir))
     spec = dataclasses.replace(config.speculation, mtp_head=resolve_path(config.speculation.mtp_head, base_dir),
                                draft_model=resolve_path(config.speculation.draft_model, base_dir))
-    return dataclasses.replace(config, model=model, draft=draft, speculation=spec)
+    eplb = dataclasses.replace(config.parallel.eplb, init=resolve_path(config.parallel.eplb.init, base_dir))
+    parallel = dataclasses.replace(config.parallel, eplb=eplb)
+    return dataclasses.replace(config, model=model, draft=draft, speculation=spec, parallel=parallel)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> EngineConfig:

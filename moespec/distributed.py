@@ -23,6 +23,7 @@ Shapes legend: G ranks in the EP group, F report fields.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -50,6 +51,7 @@ class StepReport:
     free_pages: int = 0
     num_pages: int = 0
     moe_tokens: int = 0  # the most tokens any of its MoE-bearing forwards this step sends (decode steps)
+    rebalance: int = 0  # rank 0: move the experts to a new placement before this step (parallel.eplb)
 
     @classmethod
     def size(cls) -> int:
@@ -84,6 +86,7 @@ class StepPlan:
     sent: tuple[int, ...]  # [G] commands rank 0 has sent to each rank so far
     loads: tuple[RankLoad, ...]  # [G]
     capacity: int = 1  # C of the fixed-capacity exchange this step: every rank's tokens fit
+    rebalance: bool = False  # rank 0 asked: every rank moves its experts before the step's forwards
 
 
 def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
@@ -97,14 +100,16 @@ def decide(reports: list[StepReport], sent: tuple[int, ...] = ()) -> StepPlan:
     loads = tuple(RankLoad(r.running, r.waiting, r.free_pages, r.num_pages) for r in reports)
     capacity = 1 << max(0, max(r.moe_tokens for r in reports) - 1).bit_length()  # a power of two: few shapes
     return StepPlan(bool(reports[0].stop), any(r.has_work for r in reports), ks, mtp_before, mtp_after,
-                    all(r.decode for r in reports), sent or (0,) * len(reports), loads, capacity)
+                    all(r.decode for r in reports), sent or (0,) * len(reports), loads, capacity,
+                    bool(reports[0].rebalance))
 
 
 class Lockstep:
     """This rank's part in each step's agreement and MoE-bearing forwards."""
 
-    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool) -> None:
-        self.ctx, self.runtime, self.fixed = ranks.ctx, ranks.runtime, fixed
+    def __init__(self, ranks, target_experts: list, mtp_experts: list, dtype: torch.dtype, fixed: bool,
+                 balancer=None) -> None:
+        self.ctx, self.runtime, self.fixed, self.balancer = ranks.ctx, ranks.runtime, fixed, balancer
         self.target_experts, self.mtp_experts, self.dtype = target_experts, mtp_experts, dtype
         self.plan: StepPlan | None = None  # the step whose forwards run now
         self.latest: StepPlan | None = None  # the last agreement (overlap: the step after the running one)
@@ -129,8 +134,19 @@ class Lockstep:
         return self.latest
 
     def begin(self, plan: StepPlan) -> None:
-        """The agreed step `plan` runs its forwards now (on the engine's thread)."""
+        """The agreed step `plan` runs its forwards now (on the engine's thread). The step boundary
+        first: the last step's expert loads into the window, and an agreed rebalance (parallel.eplb)."""
+        if self.balancer is not None:
+            self.balancer.step_boundary(self.plan is not None and self.plan.run, plan.rebalance)
         self.plan, self.mtp_done = plan, 0
+
+    def expert_load(self) -> dict | None:
+        """The EP layers' routed rows per expert over the last summed window (`ExpertBalancer.stats`)."""
+        return self.balancer.stats() if self.balancer is not None else None
+
+    def rebalance_due(self) -> bool:
+        """Rank 0 asks for a rebalance every parallel.eplb.rebalance_interval_steps steps."""
+        return self.balancer is not None and self.ctx.ep_rank == 0 and self.balancer.due()
 
     def two_batch_split(self, batch: Batch) -> int | None:
         """Two-batch overlap: the request where this batch's forwards split (EPRuntime)."""
@@ -169,6 +185,26 @@ class Lockstep:
         while self.mtp_done < count:
             self.mtp_done += 1
             self.runtime.join(self.mtp_experts, self.dtype, self.low_latency, self.capacity)
+
+
+def build_balancer(eplb, layers: list, ctx, model_config):
+    """The load recorder and, with parallel.eplb on, the replica tables over `layers` (the target's
+    EP layers, then the MTP layer's), placed from parallel.eplb.init or trivially; None without EP layers."""
+    if not layers:
+        return None
+    from moespec.parallel.eplb import ExpertBalancer
+
+    balancer = ExpertBalancer(eplb, layers, ctx, num_nodes=count_nodes(ctx.ep_size),
+                              num_groups=getattr(model_config, "n_group", 1) or 1)
+    balancer.start_from(eplb.init)
+    return balancer
+
+
+def count_nodes(ep_size: int) -> int:
+    """Nodes the EP group spans, from the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE,
+    slurm's SLURM_NTASKS_PER_NODE); one when neither says or they do not divide the group."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or ep_size)
+    return ep_size // per_node if 0 < per_node <= ep_size and ep_size % per_node == 0 else 1
 
 
 def ep_layers(module: torch.nn.Module) -> list:

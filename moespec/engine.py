@@ -31,7 +31,7 @@ import torch
 from moespec.batch import build_batch
 from moespec.cluster import Cluster
 from moespec.config import EngineConfig, TreeShape
-from moespec.distributed import Lockstep, StepPlan, StepReport, decide, ep_layers
+from moespec.distributed import Lockstep, StepPlan, StepReport, build_balancer, decide, ep_layers
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model, load_tokenizer
@@ -96,7 +96,8 @@ class Engine:
         if c.parallel.ep_size > 1 and ranks is None:
             raise ValueError("parallel.ep_size > 1: join the ranks first (moespec.startup.start_engine)")
         self.ranks = ranks
-        experts = {} if ranks is None else {"experts_factory": ep_experts_factory(ranks.runtime)}
+        experts = {} if ranks is None else {
+            "experts_factory": ep_experts_factory(ranks.runtime, c.parallel.eplb.num_redundant_experts)}
         self.model = model or load_model(c.model.path, c.model.dtype, c.model.device,
                                          quantization=c.model.quantization, **experts)
         tokenizer = tokenizer if model is not None else load_tokenizer(c.model.tokenizer or c.model.path)
@@ -171,7 +172,9 @@ class Engine:
         mtp_all = ep_layers(self.model.mtp) if hasattr(self.model, "mtp") else []
         target_layers = [m for m in ep_layers(self.model) if not any(m is t for t in mtp_all)]
         mtp_layers = mtp_all if builtin_mtp else []
-        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, self.config.uses_fixed_exchange)
+        balancer = build_balancer(self.config.parallel.eplb, target_layers + mtp_all, ranks.ctx, self.model.config)
+        self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, self.config.uses_fixed_exchange,
+                                 balancer)
         ranks.runtime.configure(self.config.parallel, self.config.model.cuda_graph)  # engines built in turn on the same ranks may differ
         self.runner.sync = self.lockstep
         if self.runner.static is not None:
@@ -373,7 +376,7 @@ class Engine:
         return StepReport(int(stop), int(bool(chunks)), k_wish, room, int(lags), int(flush),
                           int(scheduled.is_decode_only or not chunks), T,
                           len(self.scheduler.running), len(self.scheduler.waiting), a.num_free, a.num_pages,
-                          moe_tokens)
+                          moe_tokens, int(self.lockstep is not None and self.lockstep.rebalance_due()))
 
     def fit_choice(self, choice: int | TreeShape, lengths: list[int]) -> int:
         """The draft length to report for the policy's choice, for requests of these lengths. A

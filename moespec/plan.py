@@ -222,6 +222,7 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     weights = param_bytes(model)
     components = [Component(f"weights ({name})", size, "this rank's parameters, built on the meta device")
                   for name, size in sorted(weights.items(), key=lambda kv: -kv[1])]
+    components += replica_components(config, model)
     spec, sched = config.speculation, config.scheduler
     k = spec.num_speculative_tokens if spec.mode != "none" else 0
     per_token = kv_bytes_per_token(model.kv_cache_spec(), dtype)
@@ -257,6 +258,20 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     return size_kv(config, device, device_bytes, components, weights, per_token, max_model_len,
                    {"quantization": quantization, "ep_size": config.parallel.ep_size,
                     "attention": "dp" if dp else "replicated", "model": config.model.path})
+
+
+def replica_components(config: EngineConfig, model: torch.nn.Module) -> list[Component]:
+    """parallel.eplb's redundant experts: R / G more expert slots on each rank, in every MoE layer
+    (the MTP layer's too), each as large as one of the layer's experts with its FP8 scales."""
+    from moespec.models.moe import LocalExperts
+
+    R, G = config.parallel.eplb.num_redundant_experts, config.parallel.ep_size
+    if not R:
+        return []
+    per_slot = sum(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) // m.num_local
+                   for m in model.modules() if isinstance(m, LocalExperts))
+    return [Component(f"redundant experts (parallel.eplb.num_redundant_experts={R})", per_slot * (R // G),
+                      f"{R // G} more expert slots per rank in every MoE layer")]
 
 
 def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, torch.nn.Module] | None:
@@ -297,9 +312,10 @@ def deepep_components(config: EngineConfig, model_config) -> list[Component]:
     from moespec.parallel.exchange import aligned_capacity
 
     tokens = aligned_capacity(dispatch_capacity(config), p.ep_size)  # EPRuntime.max_tokens_per_rank
-    M, E = model_config.hidden_size, model_config.n_routed_experts
+    # with parallel.eplb the buffer serves every physical slot (E + R): the exchange routes to slots
+    M, E = model_config.hidden_size, model_config.n_routed_experts + p.eplb.num_redundant_experts
     return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
-                      f"LowLatencyLayout for {tokens} tokens per rank x {E} experts x hidden {M}"),
+                      f"LowLatencyLayout for {tokens} tokens per rank x {E} expert slots x hidden {M}"),
             Component("DeepEP normal buffers", deepep_normal_bytes(M, p.ep_size, model_config.num_experts_per_tok),
                       "NVLink/RDMA size hints at DeepEP's default configs (estimate)")]
 

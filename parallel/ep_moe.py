@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 
 from moespec.models.layers import CAPTURING, OP_OBJECTS, REAL_ROWS
-from moespec.models.moe import LocalExperts
+from moespec.models.moe import EXPERT_NAME, LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
 from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange, Received,
@@ -118,7 +118,7 @@ class EPRuntime:
     def exchange(self, num_experts: int) -> LowLatencyExchange:
         """The fixed-capacity exchange every layer shares: DeepEP's low-latency kernels on the
         process's one Buffer, or their emulation (fixed all-to-alls), one call in flight."""
-        if self.fixed is None:
+        if self.fixed is None or self.fixed.num_experts != num_experts:  # engines in turn may differ in E + R
             C = self.max_tokens_per_rank
             if self.backend == "deepep":
                 self.fixed = LowLatencyExchange(self, lambda hidden: self.deepep_buffer(hidden, num_experts, True),
@@ -207,15 +207,16 @@ class EPRuntime:
             self.buffer = None
 
 
-def ep_experts_factory(runtime: EPRuntime) -> Callable:
+def ep_experts_factory(runtime: EPRuntime, num_redundant: int = 0) -> Callable:
     """`load_model(path, experts_factory=ep_experts_factory(runtime))`: each MoE layer keeps only
-    this rank's experts, and weight loading skips the others."""
+    this rank's experts, and weight loading skips the others. `num_redundant`: R extra physical
+    slots over the group (parallel.eplb), R / G more on each rank."""
     def build(config) -> LocalExperts:
         if runtime.ctx.ep_size == 1:
             return LocalExperts.for_config(config)
         cls = DeepEPExperts if runtime.backend == "deepep" else EPExperts
         return cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, runtime,
-                   config.num_experts_per_tok)
+                   config.num_experts_per_tok, num_redundant)
     return build
 
 
@@ -259,16 +260,53 @@ def ep_experts_fake(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 
 class EPExperts(LocalExperts):
-    """Routed experts [first, first + L) of this rank; all-to-all over torch.distributed."""
+    """Routed experts [first, first + L) of this rank; all-to-all over torch.distributed.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime, top_k: int) -> None:
+    With redundant experts (parallel.eplb, parallel/eplb.py) the E logical experts live on
+    E + R physical slots, L = (E + R) / G per rank: `num_experts` and every id the exchange sees
+    are physical slots; the router's logical ids are routed to a replica first (`balancer`)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, runtime: EPRuntime, top_k: int,
+                 num_redundant: int = 0) -> None:
         ctx = runtime.ctx
         check_divisible(num_experts, ctx.ep_size)
-        num_local = num_experts // ctx.ep_size
-        super().__init__(num_experts, hidden, intermediate, first=ctx.ep_rank * num_local, num_local=num_local)
+        check_divisible(num_experts + num_redundant, ctx.ep_size)
+        self.num_logical, self.num_own = num_experts, num_experts // ctx.ep_size  # own: read from the checkpoint
+        num_local = (num_experts + num_redundant) // ctx.ep_size
+        super().__init__(num_experts + num_redundant, hidden, intermediate, first=ctx.ep_rank * num_local,
+                         num_local=num_local)
         self.runtime, self.top_k = runtime, top_k
         self.key = OP_OBJECTS.add(self)  # the compiled step's op finds the layer by it
         self.shared: SharedExperts = None  # set by `bind_shared`; not a submodule (its weights are the MoE's)
+        self.balancer, self.balancer_index = None, 0  # parallel/eplb.py: records loads, routes to replicas
+
+    def bind_balancer(self, balancer, index: int) -> None:
+        """The model's `ExpertBalancer`, and this layer's row in its tables (a plain reference)."""
+        self.__dict__["balancer"], self.balancer_index = balancer, index
+
+    def mark_loaders(self) -> None:
+        super().mark_loaders()
+        for param, parts in ((self.w13, 2), (self.w2, 1), (self.w13_scale_inv, 2), (self.w2_scale_inv, 1)):
+            if param is not None:
+                param.num_loads = self.num_own * parts  # the replica slots are filled from these
+
+    def locate_expert(self, param: torch.Tensor, name: str) -> torch.Tensor | None:
+        """Checkpoint expert e of this rank's own E / G fills local slot e - rank * E / G (the
+        trivial placement, parallel/placement.py); other ranks' experts are not read."""
+        match = EXPERT_NAME.match(name)
+        if match is None:
+            return super().locate_expert(param, name)  # its error names the tensor
+        expert, lo = int(match.group(1)), self.num_own * self.runtime.ctx.ep_rank
+        if not lo <= expert < lo + self.num_own:
+            return None
+        return super().locate_expert(param, name.replace(f".experts.{expert}.", f".experts.{self.first + expert - lo}."))
+
+    def fill_replicas(self) -> None:
+        """The trivial placement's extra slots: copies of this rank's own experts, in turn."""
+        for slot in range(self.num_own, self.num_local):
+            for tensor in (self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv):
+                if tensor is not None:
+                    tensor[slot].copy_(tensor[slot % self.num_own])
 
     def bind_shared(self, shared: SharedExperts) -> None:
         """The shared experts of this layer's MoE block, for the compiled step's op."""
@@ -311,6 +349,8 @@ class EPExperts(LocalExperts):
         captured step the padded rows route to no expert (id -1): they take no room in the
         exchange and no expert time, and come back as zeros."""
         topk_ids = mask_padding(topk_ids)
+        if self.balancer is not None:  # logical ids counted, then routed to physical slots
+            topk_ids = self.balancer.record_and_route(self.balancer_index, topk_ids)
         split = self.runtime.split
         if split is None:
             return drive(self.stages(x, topk_ids, topk_weights, shared))

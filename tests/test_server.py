@@ -328,6 +328,11 @@ def test_metrics(server, client):
         assert name in text, name
 
 
+def test_expert_load_needs_expert_parallelism(server):
+    response = httpx.get(f"{server.url}/expert_load")  # one process: no EP layers record loads
+    assert response.status_code == 404 and "parallel.ep_size > 1" in response.json()["error"]["message"]
+
+
 def test_openapi_schema(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert spec["openapi"].startswith("3.")

@@ -203,6 +203,19 @@ async def metrics(request: Request) -> Response:
     return Response(server_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+@public.get("/expert_load")
+async def expert_load(request: Request) -> JSONResponse:
+    """Routed rows per MoE layer and expert over the last load window, summed over the ranks, with
+    rows per rank, balancedness and imbalance (parallel/eplb.py); a file of it seeds
+    parallel.eplb.init. 404 without expert parallelism."""
+    lockstep = server_of(request).engine.lockstep
+    load = lockstep.expert_load() if lockstep is not None else None
+    if load is None:
+        return JSONResponse(error_body(404, "no expert-parallel MoE layers: the load recorder runs with "
+                                       "parallel.ep_size > 1", code="not_found"), status_code=404)
+    return JSONResponse(load)
+
+
 @v1.get("/models")
 async def list_models(request: Request) -> dict:
     server = server_of(request)

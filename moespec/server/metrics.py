@@ -63,6 +63,14 @@ class ServerMetrics:
         self.rank_kv_usage = Gauge("moespec_rank_kv_cache_usage_ratio", "Fraction of a rank's KV pages in use",
                                    ["rank"], registry=r)
         self.rank_kv_free = Gauge("moespec_rank_kv_pages_free", "A rank's free KV pages", ["rank"], registry=r)
+        self.expert_balancedness = Gauge("moespec_expert_balancedness",
+                                         "Mean over max routed rows per rank of an MoE layer over the last load "
+                                         "window (1: balanced)", ["layer"], registry=r)
+        self.expert_imbalance = Gauge("moespec_expert_imbalance_ratio",
+                                      "(max - mean) / mean routed rows per rank of an MoE layer over the last load "
+                                      "window (0: balanced)", ["layer"], registry=r)
+        self.expert_rebalances = Gauge("moespec_expert_rebalances", "Live expert rebalances since start (EPLB)",
+                                       registry=r)
         self.http = Counter("moespec_http_requests", "HTTP responses by method, route and status",
                             ["method", "route", "status"], registry=r)
 
@@ -99,6 +107,7 @@ class ServerMetrics:
         self.kv_usage.set(engine.allocator.usage())
         self.kv_free.set(engine.allocator.num_free)
         self.observe_ranks(engine)
+        self.observe_experts(engine.lockstep.expert_load() if engine.lockstep is not None else None)
         self.observe_policy(engine.policy)
         spec = engine.spec_stats
         if spec.steps:
@@ -122,6 +131,15 @@ class ServerMetrics:
             for source in ("predicted", "measured"):
                 for choice, rate in state[source].items():
                     self.policy_rate.labels(bucket=str(bucket), choice=choice_label(choice), source=source).set(rate)
+
+    def observe_experts(self, load: dict | None) -> None:
+        """Expert-parallel load per MoE layer over the last summed window (parallel/eplb.py)."""
+        if load is None:
+            return
+        self.expert_rebalances.set(load.get("rebalances", 0))
+        for layer in load["layers"]:
+            self.expert_balancedness.labels(layer=str(layer["layer"])).set(layer["balancedness"])
+            self.expert_imbalance.labels(layer=str(layer["layer"])).set(layer["imbalance"])
 
     def observe_ranks(self, engine: Engine) -> None:
         loads = engine.rank_loads()

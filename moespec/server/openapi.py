@@ -275,6 +275,9 @@ def document_responses(operation: dict, method: str, path: str) -> None:
     if path == "/health":
         responses["503"] = {"description": "The engine is stuck or stopped, or the server is shutting down",
                             "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+    if path == "/expert_load":
+        responses["404"] = {"description": "No expert-parallel MoE layers (parallel.ep_size 1): nothing is recorded",
+                            "content": {"application/json": {"schema": ref("ErrorResponse")}}}
     if (method, path) in OK:
         content = {"application/json": {"schema": ref(OK[method, path])}}
         if (method, path) in STREAMED:  # stream: true
