@@ -209,8 +209,7 @@ class Engine:
             self.ranks = None
 
     def keep_alive(self) -> None:
-        """Between steps of an idle server: an empty step now and then, so the other ranks, waiting
-        in the next step's agreement, do not time out."""
+        """An idle server's empty step now and then: ranks waiting in the agreement do not time out."""
         if self.lockstep is not None and time.monotonic() - self.last_step > self.config.parallel.timeout_s / 4:
             self.step()
 
@@ -451,8 +450,7 @@ class Engine:
             self.lockstep.pad_mtp(plan.mtp_before)
         self.progress.phase = f"target forward ({prepared.batch.mode})"
         hidden, logits = self.runner.forward(prepared.batch, prepared.ctx)
-        if prepared.batch.mode != "decode":
-            record_prompt_logprobs(self.model, hidden, prepared.scheduled.chunks, prepared.batch.qo_bounds)
+        record_prompt_logprobs(self.model, hidden, prepared.scheduled.chunks, prepared.batch)
         self.speculator.observe(prepared.scheduled.chunks, prepared.batch, hidden)
         if observed is not None:
             observed.set()

@@ -30,10 +30,12 @@ def prompt_logprob_slots(seq: Sequence) -> list[TokenLogprob | None]:
     return [None] * len(seq.prompt_ids)
 
 
-def record_prompt_logprobs(model, hidden: torch.Tensor, chunks: list[ScheduledChunk],
-                           qo_bounds: tuple[int, ...]) -> None:
+def record_prompt_logprobs(model, hidden: torch.Tensor, chunks: list[ScheduledChunk], batch) -> None:
     """Fill the prompt logprobs of the chunks' requests that ask, from this step's hidden [T, M]
-    (rows of chunk i at qo_bounds[i]..qo_bounds[i+1])."""
+    (rows of chunk i at batch.qo_bounds[i]..qo_bounds[i+1]); a decode step has none."""
+    if batch.mode == "decode":
+        return
+    qo_bounds = batch.qo_bounds
     for i, chunk in enumerate(chunks):
         seq = chunk.seq
         if not wants_prompt_logprobs(seq) or seq.prompt_logprobs is None:
