@@ -129,6 +129,24 @@ def test_chat_endpoint_renders_the_model_chat_template(llm):
     assert reply.choices[0].message.content == expected
 
 
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_committed_head_greedy_output_equals_no_speculation(llm, tree):
+    """configs/smollm2-135m-mtp.yaml: the committed head drafting 3 tokens (or a tree) over its
+    reduced vocabulary changes nothing in greedy output, and it does get drafts accepted."""
+    overrides = {"speculation.adaptive": False, "cache.num_kv_pages": 64, "model.max_model_len": 256}
+    if tree:
+        overrides["speculation.tree"] = {"top_k": 2, "depth": 3, "num_draft_tokens": 6}
+    spec = LLM(config=load_config_file("configs/smollm2-135m-mtp.yaml", overrides))
+    try:
+        prompts = chat_prompts(llm.get_tokenizer())
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        plain = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        assert [out.token_ids for out in spec.generate(prompts, params, use_tqdm=False)] == plain
+        assert spec.engine.spec_stats.accept_length > 1.0
+    finally:
+        spec.close()
+
 # ---------------------------------------------------------------- damaged and unsupported files
 
 def write_tiny_gguf(path: Path, arch: str = "llama", raw: dict | None = None) -> Path:
