@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-CONFIG ?= configs/tiny-deepseek-mtp.yaml
+CONFIG ?= configs/smollm2-135m-mtp.yaml
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 

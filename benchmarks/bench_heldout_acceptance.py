@@ -71,8 +71,7 @@ def with_draft_vocab(head: str, size: int, counts: Path, out: Path) -> str:
 
 def expand_heads(args: argparse.Namespace, work: Path) -> dict[str, str | None]:
     """name -> head directory: --heads, each at every --draft-vocabs size when given."""
-    work = Path(tempfile.mkdtemp(prefix="heads-"))
-    heads = expand_heads(args, work)
+    heads = dict(item.split("=", 1) for item in args.heads.split(",")) if args.heads else {"config": None}
     if not args.draft_vocabs:
         return heads
     return {f"{name}/N={size or 'V'}": with_draft_vocab(head, size, args.data / "answer_counts.npy",

@@ -130,7 +130,7 @@ def test_chat_endpoint_renders_the_model_chat_template(llm):
 
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["chain", "tree"])
 def test_committed_head_greedy_output_equals_no_speculation(llm, tree):
     """configs/smollm2-135m-mtp.yaml: the committed head drafting 3 tokens (or a tree) over its
     reduced vocabulary changes nothing in greedy output, and it does get drafts accepted."""
