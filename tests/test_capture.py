@@ -112,7 +112,7 @@ def test_greedy_identical_with_cuda_graph(deepseek_mtp, llama_pair, tmp_path, mo
         assert llm.engine.spec_stats.steps > 0 and any(s[1] > s[0] for s in static.captured)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])  # overlap on covers both paths
 def test_cuda_graph_under_preemption_and_overlap(deepseek_mtp, overlap, monkeypatch):
     """MTP k = 2 with overlap scheduling (verify plans shifted on the device before their
     replay) and a cache small enough to preempt: the same tokens as eager, and requests moving

@@ -196,6 +196,7 @@ def test_dp_attention_ep2_matches_one_process(paths):
     ])
 
 
+@pytest.mark.slow  # EP=4 with DP attention also runs in tests/test_eplb.py's EP=4 identity test
 def test_dp_attention_ep4_matches_one_process(paths):
     """EP=4: no speculation, MTP k=1 and k=2, each microbatched and not (the fixed-capacity
     exchange), the uneven exchange and draft-target."""
