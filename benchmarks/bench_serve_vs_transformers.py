@@ -9,8 +9,9 @@ guidellm==0.8.1`): its dependencies are not moespec's. The SmolLM2-135M-Instruct
 dequantized once by transformers and saved as a safetensors directory (transformers serve does
 not load a local GGUF file), so both servers run the same float32 weights; moespec loads the
 GGUF itself. Requests are chat completions with synthetic prompts of --prompt-tokens tokens
-(the model's own tokenizer, saved next to the weights) and --output-tokens tokens out
-(`ignore_eos`, streamed). Every server stays up for the whole run; the levels run in turn, each
+(the model's own tokenizer, saved next to the weights), at most --output-tokens tokens out,
+streamed. Not `ignore_eos`: transformers serve refuses the field (422), so answers may end at
+the end of turn, on both servers alike; throughput counts the tokens that came. Every server stays up for the whole run; the levels run in turn, each
 server once per level and repeat, in alternating order; each figure is the median over repeats.
 """
 from __future__ import annotations
@@ -80,10 +81,11 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600.0) -> 
 def drive(guidellm: str, port: int, model: str, tokenizer: Path, concurrency: int, requests: int,
           args: argparse.Namespace, out: Path) -> dict:
     """One guidellm run at a fixed concurrency -> the figures of METRICS."""
-    command = [guidellm, "run", "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model}",
+    command = [guidellm, "run", "--backend",
+               f"kind=openai_http,target=http://127.0.0.1:{port},model={model},max_tokens={args.output_tokens}",
                "--profile", f"kind=concurrent,streams={concurrency}",
                "--constraint", f"kind=max_requests,count={requests}",
-               "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+               "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}",
                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
                "--output", f"kind=json,path={out}", "--disable-progress", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
