@@ -36,15 +36,14 @@ def measure(llm, prompts: list[list[int]], temperature: float, max_tokens: int) 
     from moespec.sampling import SamplingParams
 
     stats = llm.engine.spec_stats
-    before = (stats.steps, stats.accepted_tokens, stats.draft_tokens, list(stats.accepted_at), list(stats.drafted_at))
+    before = (stats.steps, stats.accepted_tokens, list(stats.accepted_at), list(stats.drafted_at))
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i) for i in range(len(prompts))]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    steps, accepted, drafted = (stats.steps - before[0], stats.accepted_tokens - before[1],
-                                stats.draft_tokens - before[2])
-    at = [a - b for a, b in zip(stats.accepted_at, before[3] + [0] * len(stats.accepted_at))]
-    of = [a - b for a, b in zip(stats.drafted_at, before[4] + [0] * len(stats.drafted_at))]
+    steps, accepted = stats.steps - before[0], stats.accepted_tokens - before[1]
+    at = [a - b for a, b in zip(stats.accepted_at, before[2] + [0] * len(stats.accepted_at))]
+    of = [a - b for a, b in zip(stats.drafted_at, before[3] + [0] * len(stats.drafted_at))]
     return {"accept_length": (accepted + steps) / steps if steps else 0.0,
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(at, of)],
             "verify_steps": steps, "tokens": (tokens := sum(len(o.outputs[0].token_ids) for o in outputs)),

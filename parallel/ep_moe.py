@@ -29,7 +29,7 @@ from moespec.models.layers import CAPTURING, OP_OBJECTS, REAL_ROWS
 from moespec.models.moe import EXPERT_NAME, LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
-from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange, Received,
+from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange,
                                        aligned_capacity)
 from moespec.parallel.groups import ParallelContext, ParallelError
 
