@@ -165,6 +165,15 @@ class ServerSection:
 
 
 @dataclass(frozen=True)
+class StructuredSection:
+    # the engine that compiles and enforces structured outputs (docs/structured-outputs.md):
+    # xgrammar, llguidance, or auto: xgrammar where it enforces a JSON schema exactly,
+    # llguidance for the schemas xgrammar would enforce loosely; regex, choice and EBNF
+    # grammars with xgrammar. A schema the chosen engine cannot enforce exactly is refused.
+    backend: Literal["xgrammar", "llguidance", "auto"] = "auto"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelSection = field(default_factory=ModelSection)
     draft: DraftSection = field(default_factory=DraftSection)
@@ -173,6 +182,7 @@ class EngineConfig:
     cache: CacheSection = field(default_factory=CacheSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     server: ServerSection = field(default_factory=ServerSection)
+    structured: StructuredSection = field(default_factory=StructuredSection)
 
     def __post_init__(self) -> None:
         check_positive(self.cache.page_size, "cache.page_size")
@@ -355,7 +365,7 @@ FLAT_KEYS = {
     "prefix_caching": "cache.prefix_caching", "enable_prefix_caching": "cache.prefix_caching",
     "compile": "model.compile", "compile_batch_sizes": "model.compile_batch_sizes",
     "cuda_graph": "model.cuda_graph", "overlap": "scheduler.overlap",
-    "pack_linears": "model.pack_linears",
+    "pack_linears": "model.pack_linears", "structured_backend": "structured.backend",
 }
 
 

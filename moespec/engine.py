@@ -125,7 +125,7 @@ class Engine:
         offset = ranks.ctx.ep_rank if ranks is not None and ranks.dp else 0
         self.generator = torch.Generator().manual_seed(c.model.seed + offset)
         self.eos_ids = resolve_eos_ids(self.model, tokenizer)
-        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids)  # structured outputs
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_ids, backend=c.structured.backend)
         self.stats = StepStats()
         self.progress = StepProgress()  # what the current step is doing, for a watchdog that finds it stuck
         self.warm_up_s = 0.0  # every warm_up so far (captured steps are captured when the engine starts)

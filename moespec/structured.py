@@ -1,8 +1,10 @@
 """Structured outputs: a grammar (JSON schema, any JSON object, regex, choice, EBNF) decides
 which tokens may come next, at every sampled position.
 
-xgrammar compiles a grammar against the model's tokenizer (once per model: `Grammars`; each
-compiled grammar is kept in its bounded LRU cache, keyed by the grammar's text). Each
+An engine (xgrammar or llguidance, moespec/grammar/; structured.backend chooses) compiles a
+grammar against the model's tokenizer (once per model: `Grammars`; each compiled grammar is
+kept in its bounded LRU cache, keyed by the grammar's text). A JSON schema with a keyword the
+engine would not enforce exactly is refused (grammar/keywords.py), never served loosely. Each
 constrained request holds a matcher that follows its output tokens (`GrammarState`) and
 fills, on the host, a packed bitmask row [W] int32 of the tokens allowed next (bit b of word
 w allows token 32w + b); the sampler masks logits with it (sampling.py). The grammar's stop
@@ -21,19 +23,17 @@ Shapes legend: N rows, B requests, K draft tokens per request, V vocab, W = ceil
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
+from moespec.grammar import keywords, llguidance_engine, xgrammar_engine
+
 CACHE_BYTES = 256 << 20  # compiled grammars kept per model (LRU)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# JSON on one line with ", " and ": " between items: a model that likes blanks cannot stall a
-# structure with endless whitespace (vLLM's disable_any_whitespace)
-JSON_OPTIONS = dict(any_whitespace=False)
-ENGINE_MESSAGE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 class GrammarError(ValueError):
@@ -138,32 +138,13 @@ def choice_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def import_xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:
-        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from e
-    return xgrammar
-
-
-def engine_message(error: Exception) -> str:
-    """xgrammar's message without its C++ source prefix."""
-    return ENGINE_MESSAGE.sub("", str(error).strip())
-
-
 def parse(spec: StructuredOutputs):
-    """The grammar, tokenizer-free: checks that it parses (ValueError naming the field)."""
-    xgr = import_xgrammar()
+    """The grammar, tokenizer-free, with xgrammar: checks that it parses (ValueError naming the
+    field). Where llguidance serves a schema its engine checks it when it compiles."""
     try:
-        if spec.json is not None:
-            return xgr.Grammar.from_json_schema(spec.json, **JSON_OPTIONS)
-        if spec.json_object:
-            return xgr.Grammar.from_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
-        if spec.regex is not None:
-            return xgr.Grammar.from_regex(spec.regex)
-        return xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else choice_ebnf(spec.choice))
-    except RuntimeError as e:
-        raise GrammarError(spec.kind, engine_message(e)) from None
+        return xgrammar_engine.parse(*spec.key)
+    except xgrammar_engine.CompileError as e:
+        raise GrammarError(spec.kind, str(e)) from None
 
 
 class TextGate:
@@ -192,9 +173,10 @@ class GrammarState:
     speculative step, the drafts it is advanced over). With a gate, the matcher starts after the
     token that passes the gate; before that every token is allowed (the reasoning)."""
 
-    def __init__(self, matcher, gate: TextGate | None = None) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher, gate: TextGate | None = None, engine: str = xgrammar_engine.NAME) -> None:
+        self.matcher = matcher  # accept_token, rollback, is_terminated (xgrammar's, or LLGuidanceMatcher)
         self.gate = gate
+        self.engine = engine
         self.history: list[bool] = []  # with a gate: per accepted token, whether the matcher saw it
 
     @property
@@ -235,37 +217,56 @@ class GrammarState:
         return self.open and self.matcher.is_terminated()
 
 
-class Grammars:
-    """The model's grammar compiler, built on first use (xgrammar is imported only then), and
-    its compiled grammars (an LRU of `cache_bytes`, keyed by kind and text). The server compiles
-    in killable processes (server/grammar_workers.py) and hands the results over with `load`."""
+class Compiled(NamedTuple):
+    engine: str  # the engine that compiled it ("xgrammar" or "llguidance")
+    grammar: object  # that engine's compiled grammar
+    size: int  # bytes counted by the LRU
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int], cache_bytes: int = CACHE_BYTES) -> None:
+
+class Grammars:
+    """The model's grammar engines, built on first use (each library is imported only then), and
+    its compiled grammars (an LRU of `cache_bytes`, keyed by kind and text). `backend` is
+    structured.backend (config.py): which engine compiles what (`compile_with`). The server
+    compiles in killable processes (server/grammar_workers.py) and hands the results over with
+    `load`."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int], cache_bytes: int = CACHE_BYTES,
+                 backend: str = "auto") -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
-        self.cache_bytes = cache_bytes
+        self.cache_bytes, self.backend = cache_bytes, backend
         self.words = (vocab_size + 31) // 32  # W
-        self.info = None
-        self.compiler = None
-        self.batch_matcher = None
-        self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # key -> CompiledGrammar
+        self.engines: dict[str, object] = {}  # name -> XGrammarEngine | LLGuidanceEngine, once started
+        self.compiled: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
         self.compiled_bytes = 0
         self.lock = threading.Lock()  # HTTP worker threads load grammars too
         self.texts: dict[int, str] = {}  # token id -> its text, for gates (TextGate)
 
-    def start(self) -> None:
-        with self.lock:
-            if self.compiler is not None:
-                return
-            xgr = import_xgrammar()
-            if self.tokenizer is None:
-                raise ValueError("structured outputs: this model has no tokenizer to match a grammar to tokens")
-            if not self.stop_ids:
-                raise ValueError("structured outputs: this model has no EOS token to end an output with")
-            self.info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.stop_ids)
-            self.batch_matcher = xgr.BatchGrammarMatcher()
-            self.compiler = xgr.GrammarCompiler(self.info, cache_limit_bytes=0)  # our cache keeps them
+    @property
+    def info(self):
+        """xgrammar's view of the vocabulary (its engine started)."""
+        return self.engine(xgrammar_engine.NAME).info
 
-    def cached(self, spec: StructuredOutputs):
+    def start(self) -> None:
+        """Checks the model can be constrained and starts the engines the backend needs first."""
+        for name in engine_names(self.backend, "json"):
+            self.engine(name)
+
+    def engine(self, name: str):
+        with self.lock:
+            if name not in self.engines:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs: this model has no tokenizer to match a grammar to tokens")
+                if not self.stop_ids:
+                    raise ValueError("structured outputs: this model has no EOS token to end an output with")
+                self.engines[name] = ENGINES[name].for_model(self.tokenizer, self.vocab_size, self.stop_ids)
+            return self.engines[name]
+
+    def worker_args(self) -> tuple:
+        """What a compile process needs to build the same engines (serve_compiles)."""
+        self.start()
+        return self.backend, {name: self.engine(name).worker_args() for name in engine_names(self.backend, "json")}
+
+    def cached(self, spec: StructuredOutputs) -> Compiled | None:
         """The compiled grammar if it is in the cache (now most recently used), else None."""
         with self.lock:
             compiled = self.compiled.get(spec.key)
@@ -273,38 +274,39 @@ class Grammars:
                 self.compiled.move_to_end(spec.key)
             return compiled
 
-    def compile(self, spec: StructuredOutputs):
+    def compile(self, spec: StructuredOutputs) -> Compiled:
         """The compiled grammar, from the cache or compiled here (in this process, unbounded)."""
         compiled = self.cached(spec)
         if compiled is None:
             self.start()
-            compiled = self.keep(spec, compile_spec(self.compiler, spec))
+            compiled = self.keep(spec, compile_with(self.engine, self.backend, spec))
         return compiled
 
-    def load(self, spec: StructuredOutputs, serialized: str):
-        """Cache a grammar compiled elsewhere (CompiledGrammar.serialize_json) and return it."""
-        self.start()
-        from xgrammar import CompiledGrammar
+    def load(self, spec: StructuredOutputs, answer: tuple[str, str]) -> Compiled:
+        """Cache a grammar compiled elsewhere: (engine name, its serialized grammar)."""
+        name, serialized = answer
+        engine = self.engine(name)
+        try:
+            grammar = engine.load(serialized)
+        except ValueError as e:
+            raise GrammarError(spec.kind, str(e)) from None
+        return self.keep(spec, Compiled(name, grammar, engine.size(grammar)))
 
-        return self.keep(spec, CompiledGrammar.deserialize_json(serialized, self.info))
-
-    def keep(self, spec: StructuredOutputs, compiled):
-        size = compiled.memory_size_bytes
+    def keep(self, spec: StructuredOutputs, compiled: Compiled) -> Compiled:
         with self.lock:
             if spec.key not in self.compiled:
                 self.compiled[spec.key] = compiled
-                self.compiled_bytes += size
+                self.compiled_bytes += compiled.size
             while self.compiled_bytes > self.cache_bytes and len(self.compiled) > 1:
                 _, old = self.compiled.popitem(last=False)
-                self.compiled_bytes -= old.memory_size_bytes
+                self.compiled_bytes -= old.size
             return self.compiled.get(spec.key, compiled)
 
     def matcher(self, spec: StructuredOutputs, after: str | None = None) -> GrammarState:
         """A matcher of `spec`, starting once the output shows the text `after` (if given)."""
-        from xgrammar import GrammarMatcher
-
+        compiled = self.compile(spec)
         gate = TextGate(after, self.token_text) if after else None
-        return GrammarState(GrammarMatcher(self.compile(spec)), gate)
+        return GrammarState(self.engine(compiled.engine).matcher(compiled.grammar), gate, compiled.engine)
 
     def token_text(self, token: int) -> str:
         text = self.texts.get(token)
@@ -315,36 +317,58 @@ class Grammars:
     def masks(self, states: list[GrammarState | None]) -> torch.Tensor:
         """[N, W] int32: row i allows what states[i] allows next. Rows without a grammar, or
         whose grammar has terminated (nothing after its stop token is emitted) or has not
-        started (its gate is closed), allow every token. One call fills the batch (xgrammar spreads the rows over its threads)."""
+        started (its gate is closed), allow every token. One call per engine fills its rows."""
         bitmask = torch.full((len(states), self.words), -1, dtype=torch.int32)
         rows = [i for i, s in enumerate(states) if s is not None and s.open and not s.terminated]
-        if rows:
-            self.batch_matcher.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
+        for name in sorted({states[i].engine for i in rows}):
+            mine = [i for i in rows if states[i].engine == name]
+            self.engines[name].fill([states[i].matcher for i in mine], bitmask, mine)
         return bitmask
 
 
-def compile_spec(compiler, spec: StructuredOutputs):
-    """One constraint compiled by an xgrammar GrammarCompiler (a GrammarError naming its field)."""
+ENGINES = {xgrammar_engine.NAME: xgrammar_engine.XGrammarEngine,
+           llguidance_engine.NAME: llguidance_engine.LLGuidanceEngine}
+
+
+def engine_names(backend: str, kind: str) -> list[str]:
+    """The engines `backend` tries for a constraint of `kind`, in order. auto: a JSON schema with
+    xgrammar where it enforces it exactly, else llguidance (if installed); the rest with xgrammar
+    (the EBNF dialect is xgrammar's)."""
+    if backend != "auto":
+        return [backend]
+    if kind == "json" and llguidance_engine.available():
+        return [xgrammar_engine.NAME, llguidance_engine.NAME]
+    return [xgrammar_engine.NAME]
+
+
+def compile_with(engine, backend: str, spec: StructuredOutputs) -> Compiled:
+    """`spec` compiled by the first engine of the backend that enforces it exactly; `engine(name)`
+    gives a started engine. A GrammarError gives the first engine's reason, or the refused keyword
+    and its path."""
     kind, text = spec.key
-    try:
-        if kind == "json":
-            return compiler.compile_json_schema(text, **JSON_OPTIONS)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        return compiler.compile_grammar(text)
-    except RuntimeError as e:
-        raise GrammarError(spec.kind, engine_message(e)) from None
+    schema = json.loads(text) if kind == "json" else None
+    errors = []
+    for name in engine_names(backend, kind):
+        try:
+            if name == xgrammar_engine.NAME and schema is not None:
+                keywords.check_xgrammar(schema)
+            started = engine(name)
+            grammar = started.compile(kind, text)
+            return Compiled(name, grammar, started.size(grammar))
+        except keywords.Refusal as e:
+            errors.append(e)
+        except ValueError as e:  # either engine's CompileError
+            refusal = keywords.llguidance_refusal(schema, str(e)) if name == llguidance_engine.NAME else None
+            errors.append(refusal or e)
+    first = errors[0]  # xgrammar's own error names what is wrong with the grammar; refusals name every engine's
+    raise GrammarError(spec.kind, "; ".join(map(str, errors)) if isinstance(first, keywords.Refusal) else str(first))
 
 
-def serve_compiles(connection, info_json: str) -> None:
-    """A compile process: receives StructuredOutputs, sends back ("ok", serialized compiled
-    grammar) or ("error", field, reason), until its connection closes. One thread: the process
+def serve_compiles(connection, backend: str, worker_args: dict) -> None:
+    """A compile process: receives StructuredOutputs, sends back ("ok", (engine name, serialized
+    grammar)) or ("error", field, reason), until its connection closes. One thread: the process
     is the unit that is killed when a compile runs too long or its request goes away."""
-    xgr = import_xgrammar()
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
-                                   cache_limit_bytes=0)
+    engines = {name: ENGINES[name].from_info(args) for name, args in worker_args.items()}
     connection.send("ready")
     while True:
         try:
@@ -352,25 +376,12 @@ def serve_compiles(connection, info_json: str) -> None:
         except (EOFError, OSError):
             return
         try:
-            connection.send(("ok", compile_spec(compiler, spec).serialize_json()))
+            compiled = compile_with(engines.__getitem__, backend, spec)
+            connection.send(("ok", (compiled.engine, engines[compiled.engine].serialize(compiled.grammar))))
         except GrammarError as e:
             connection.send(("error", e.field, e.reason))
-        except Exception as e:  # noqa: BLE001  xgrammar's other failures on odd input (UnicodeDecodeError)
-            connection.send(("error", spec.kind, f"xgrammar cannot compile it ({type(e).__name__}: {e})"))
-
-
-def tokenizer_info(xgr, tokenizer, vocab_size: int, stop_ids: list[int]):
-    """xgrammar's view of the vocabulary, padded to the model's vocab_size. Special tokens other
-    than the stop tokens are blanked (never allowed): their text is not what the detokenizer
-    shows (skip_special_tokens), so the grammar must not count on it."""
-    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-    special = set(getattr(tokenizer, "all_special_ids", ())) - set(stop_ids)
-    encoded = [""] * vocab_size
-    for token, i in tokenizer.get_vocab().items():
-        if i < vocab_size and i not in special:
-            encoded[i] = token
-    return xgr.TokenizerInfo(encoded, vocab_type=detected.vocab_type, vocab_size=vocab_size,
-                             stop_token_ids=stop_ids, add_prefix_space=detected.add_prefix_space)
+        except Exception as e:  # noqa: BLE001  an engine's other failures on odd input
+            connection.send(("error", spec.kind, f"cannot compile it ({type(e).__name__}: {e})"))
 
 
 def tree_masks(grammars: "Grammars", states: list[GrammarState | None], tokens: list[list[int]],

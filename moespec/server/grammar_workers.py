@@ -31,16 +31,16 @@ class CompilesStopped(Exception):
 
 
 class CompileProcess:
-    def __init__(self, info_json: str) -> None:
+    def __init__(self, worker_args: tuple) -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=serve_compiles, args=(child, info_json), daemon=True,
+        self.process = context.Process(target=serve_compiles, args=(child, *worker_args), daemon=True,
                                        name="moespec-grammar")
         self.process.start()
         child.close()
 
     def wait_ready(self) -> None:
-        """Blocks until the child has imported xgrammar and built its compiler (seconds; not part of
+        """Blocks until the child has imported its engines and built its compiler (seconds; not part of
         any compile's time budget)."""
         if self.connection.recv() != "ready":
             raise RuntimeError("grammar compile process did not start")
@@ -103,7 +103,7 @@ class GrammarWorkers:
 
     def take(self) -> CompileProcess:
         """An idle compile process, or a new one (started here, in a worker thread)."""
-        self.grammars.start()
+        worker_args = self.grammars.worker_args()
         with self.lock:
             if self.stopped:
                 raise CompilesStopped("the server is shutting down")
@@ -111,7 +111,7 @@ class GrammarWorkers:
                 worker = self.idle.pop()
                 self.busy.add(worker)
                 return worker
-        worker = CompileProcess(self.grammars.info.serialize_json())
+        worker = CompileProcess(worker_args)
         with self.lock:
             self.busy.add(worker)
         try:
