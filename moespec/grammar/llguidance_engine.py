@@ -64,11 +64,15 @@ class LLGuidanceMatcher:
         self.ended_at: int | None = None  # count once a stop token was accepted
 
     def accept_token(self, token: int) -> bool:
-        if self.ended_at is not None or self.matcher.try_consume_tokens([token]) != 1:
+        if self.ended_at is not None:
+            return False
+        if token in self.stop_ids:  # try_consume_tokens refuses EOS once the grammar can only end
+            if not (self.matcher.is_accepting() and self.matcher.consume_token(token)):
+                return False
+            self.ended_at = self.count + 1
+        elif self.matcher.try_consume_tokens([token]) != 1:  # refused: the matcher stays as it was
             return False
         self.count += 1
-        if token in self.stop_ids:
-            self.ended_at = self.count
         return True
 
     def rollback(self, count: int) -> None:
