@@ -44,8 +44,8 @@ def read_subset(dataset: str, subset: str) -> list[tuple[str, str]]:
     root = Path(dataset)
     if (root / "data").is_dir():
         return [(str(p.relative_to(root)), p.read_text()) for p in sorted((root / "data" / subset).glob("*.json"))]
-    names = subprocess.run(["git", "-C", dataset, "ls-tree", "-r", "--name-only", "HEAD", f"data/{subset}/"],
-                           capture_output=True, text=True, check=True).stdout.split()
+    names = subprocess.run(["git", "-C", dataset, "ls-tree", "-r", "-z", "--name-only", "HEAD", f"data/{subset}/"],
+                           capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
     batch = subprocess.run(["git", "-C", dataset, "cat-file", "--batch"], input="".join(f"HEAD:{n}\n" for n in names).encode(),
                            capture_output=True, check=True).stdout
     out, at = [], 0

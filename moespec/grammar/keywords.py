@@ -10,7 +10,8 @@ anchor `pattern`) keeps every output valid and is allowed.
 xgrammar 0.2.9, measured on schemas with an instance the grammar should refuse
 (tests/test_structured_backends.py): it ignores `not`, `if`/`then`/`else`, `dependentRequired`,
 `dependencies`, `dependentSchemas`, `uniqueItems`, `contains`, unknown `format`s, `multipleOf` on
-numbers, the keywords beside `enum`/`const`, `anyOf` or `$ref`, string/number/array keywords
+numbers, `minLength`/`maxLength` beside `pattern` or `format`, bounds beside `multipleOf`,
+the keywords beside `enum`/`const`, `anyOf` or `$ref`, string/number/array keywords
 in a schema without `type`, and `required` names missing from `properties`; it treats `oneOf`
 as `anyOf` and `allOf` of several schemas as one of them. Those are refused here.
 llguidance refuses what it does not implement itself (strict mode: "Unimplemented keys",
@@ -42,6 +43,9 @@ TYPED = {  # keywords xgrammar applies only where `type` names their type
     "minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
     "multipleOf": "number", "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
     "minItems": "array", "maxItems": "array", "minProperties": "object", "maxProperties": "object"}
+COMBINED = [  # xgrammar keeps the first keyword and drops the others beside it
+    ("pattern", ("minLength", "maxLength", "format")), ("format", ("minLength", "maxLength")),
+    ("multipleOf", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))]
 PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
                 "null": (type(None),), "array": (list,), "object": (dict,)}
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -146,6 +150,10 @@ def xgrammar_gaps(root: object, schema: dict) -> Iterator[tuple[str, str]]:
         yield "format", f"unknown format {schema['format']!r}"
     if "multipleOf" in schema and (types != {"integer"} or not isinstance(schema["multipleOf"], int)):
         yield "multipleOf", "only on integers"
+    for keyword, others in COMBINED:
+        beside = [k for k in others if k in schema]
+        if keyword in schema and beside:
+            yield beside[0], f"beside {keyword!r}"
     if schema.get("unevaluatedProperties", False) is not False:
         yield "unevaluatedProperties", "only false"
     for keyword in ("anyOf", "$ref"):

@@ -56,30 +56,37 @@ def grammar_text(llg, kind: str, text: str) -> str:
 class LLGuidanceMatcher:
     """An LLMatcher with xgrammar's matcher interface. llguidance counts a grammar that can only
     end as stopped before the stop token comes; here it is terminated once a stop token is
-    accepted, as with xgrammar (nothing after it is constrained)."""
+    accepted, as with xgrammar (nothing after it is constrained). A stop token consumed where
+    llguidance was already stopped is not in its history (its rollback would undo the token
+    before it), so rollback leaves it out."""
 
     def __init__(self, matcher, stop_ids: frozenset[int]) -> None:
         self.matcher, self.stop_ids = matcher, stop_ids
         self.count = 0  # tokens accepted
         self.ended_at: int | None = None  # count once a stop token was accepted
+        self.stop_in_history = False  # whether llguidance counted that stop token
 
     def accept_token(self, token: int) -> bool:
         if self.ended_at is not None:
             return False
         if token in self.stop_ids:  # try_consume_tokens refuses EOS once the grammar can only end
+            stopped = self.matcher.is_stopped()
             if not (self.matcher.is_accepting() and self.matcher.consume_token(token)):
                 return False
-            self.ended_at = self.count + 1
+            self.ended_at, self.stop_in_history = self.count + 1, not stopped
         elif self.matcher.try_consume_tokens([token]) != 1:  # refused: the matcher stays as it was
             return False
         self.count += 1
         return True
 
     def rollback(self, count: int) -> None:
-        self.matcher.rollback(count)
-        self.count -= count
-        if self.ended_at is not None and self.count < self.ended_at:
+        undone = count
+        if self.ended_at is not None and self.count - count < self.ended_at:
+            undone -= 0 if self.stop_in_history else 1
             self.ended_at = None
+        if undone:
+            self.matcher.rollback(undone)
+        self.count -= count
 
     def is_terminated(self) -> bool:
         return self.ended_at is not None
