@@ -167,9 +167,9 @@ class ServerSection:
 @dataclass(frozen=True)
 class StructuredSection:
     # the engine that compiles and enforces structured outputs (docs/structured-outputs.md):
-    # xgrammar, llguidance, or auto: xgrammar where it enforces a JSON schema exactly,
-    # llguidance for the schemas xgrammar would enforce loosely; regex, choice and EBNF
-    # grammars with xgrammar. A schema the chosen engine cannot enforce exactly is refused.
+    # xgrammar, llguidance, or auto: a JSON schema with llguidance where installed, xgrammar for
+    # what it refuses; regex, choice and EBNF grammars with xgrammar. A schema the engine would
+    # not enforce exactly is refused (400), never served loosely.
     backend: Literal["xgrammar", "llguidance", "auto"] = "auto"
 
 

@@ -105,8 +105,12 @@ def test_backend_comes_from_the_config(grammars):
     assert grammars["xgrammar"].compile(plain).engine == "xgrammar"
     assert grammars["llguidance"].compile(plain).engine == "llguidance"
     assert grammars["llguidance"].compile(StructuredOutputs(regex="[a-z]+")).engine == "llguidance"
-    assert grammars["auto"].compile(plain).engine == "xgrammar"  # exact there
-    assert grammars["auto"].compile(one_of).engine == "llguidance"  # xgrammar treats oneOf as anyOf
+    assert grammars["auto"].compile(plain).engine == "llguidance"
+    assert grammars["auto"].compile(one_of).engine == "llguidance"
+    not_disjoint = StructuredOutputs.unparsed(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                                    "anyOf": [{"required": ["a"]}]})
+    with pytest.raises(GrammarError, match="keyword 'anyOf' at \\$ is not enforced by xgrammar"):
+        grammars["xgrammar"].compile(not_disjoint)
     assert grammars["auto"].compile(StructuredOutputs(regex="[a-z]+")).engine == "xgrammar"
 
 
