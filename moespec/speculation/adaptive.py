@@ -8,9 +8,11 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
     tokens/s of choice c at batch B = B * E_c / seconds_c(B)
 
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
-  (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
-  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
-  taken in a burst of load) reweighted once. Samples weigh less the
+  (`StepCosts`), one per family: plain decoding and chains together,
+  `a + c*[k>0] + d*k + b*B + e*B*k` (B*(1+k) tokens verified, k draft forwards; plain decoding
+  is k = 0, so it shares the batch-size slope b that every chain length measures, and a bucket
+  where it seldom runs is predicted from the chains run there), each tree `a + b*B`, with
+  outliers (steps taken in a burst of load) reweighted once. Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
@@ -86,15 +88,16 @@ class Prediction:
 
 
 def family(choice: Choice) -> str | TreeShape:
-    return choice if isinstance(choice, TreeShape) else "chain" if choice else "plain"
+    """The fit a choice's steps go to: one for plain decoding and chains, one per tree."""
+    return choice if isinstance(choice, TreeShape) else "chain"
 
 
 def features(choice: Choice, batch_size: int) -> list[float]:
     """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike."""
     b = batch_size / 16
-    if isinstance(choice, int) and choice:
-        return [1.0, float(choice), b, b * choice]
-    return [1.0, b]
+    if isinstance(choice, TreeShape):
+        return [1.0, b]
+    return [1.0, float(choice > 0), float(choice), b, b * choice]
 
 
 class Samples:
@@ -125,7 +128,8 @@ class StepCosts:
                  ridge: float = 0.1, noise_floor: float = 0.02, refit_every: int = 8) -> None:
         self.window, self.half_life, self.locality = window, half_life, locality
         self.ridge, self.noise_floor, self.refit_every = ridge, noise_floor, refit_every
-        self.samples: dict[object, dict[int, Samples]] = {}  # family -> log2 bucket -> its steps
+        # family -> (plain or not, log2 bucket) -> its steps: plain steps keep their own window
+        self.samples: dict[object, dict[tuple[bool, int], Samples]] = {}
         self.added: dict[object, int] = {}  # family -> samples so far
         self.counts: dict[Choice, int] = {}
         # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
@@ -134,7 +138,8 @@ class StepCosts:
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
         x, key = features(choice, batch_size), family(choice)
         buckets = self.samples.setdefault(key, {})
-        buckets.setdefault(log2_bucket(batch_size), Samples(self.window, len(x))).add(x, seconds)
+        where = (choice == 0, log2_bucket(batch_size))
+        buckets.setdefault(where, Samples(self.window, len(x))).add(x, seconds)
         self.added[key] = self.added.get(key, 0) + 1
         self.counts[choice] = self.counts.get(choice, 0) + 1
 
@@ -165,11 +170,11 @@ class StepCosts:
         inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
         return inverse @ ((x * w[:, None]).T @ y), inverse
 
-    def fit(self, buckets: dict[int, Samples], where: int) -> tuple:
+    def fit(self, buckets: dict[tuple[bool, int], Samples], where: int) -> tuple:
         """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
         normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
         of the cheapest step seen)."""
-        parts = [(*samples.filled(), abs(b - where)) for b, samples in buckets.items()]
+        parts = [(*samples.filled(), abs(b - where)) for (_, b), samples in buckets.items()]
         x = np.concatenate([p[0] for p in parts])  # [N, F]
         y = np.concatenate([p[1] for p in parts])  # [N]
         w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
@@ -212,17 +217,21 @@ class Mean:
 class Acceptance:
     """Tokens per request per step of each choice, from recent verify steps: per chain position
     i, the share of requests that drafted it and accepted it (with all before it); per tree (and
-    per chain length where positions are not counted), its mean. Every policy step multiplies the
-    weight of what was counted by `decay`: the means follow a shift, their errors grow."""
+    per chain length where positions are not counted), its mean. Every speculative step multiplies
+    the weight of what was counted by `decay`, so the means follow a shift within tens of steps;
+    every plain step by `idle_decay`, closer to 1: while nothing is measured the errors grow
+    slowly, so where plain decoding wins speculation is measured again every few hundred steps,
+    not every few tens."""
 
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
+    def __init__(self, decay: float = 0.98, idle_decay: float = 0.995) -> None:
+        self.decay, self.idle_decay = decay, idle_decay
         self.positions: list[Mean] = []  # [K] P(a > i) among requests that drafted position i
         self.steps: dict[Choice, Mean] = {}  # choice -> tokens per request per step
 
-    def tick(self) -> None:
+    def tick(self, speculating: bool) -> None:
+        decay = self.decay if speculating else self.idle_decay
         for mean in (*self.positions, *self.steps.values()):
-            mean.weight *= self.decay
+            mean.weight *= decay
 
     def add_verify(self, k: int, num_accepted: list[int]) -> None:
         self.positions += [Mean() for _ in range(k - len(self.positions))]
@@ -303,7 +312,11 @@ class SpeculationPolicy:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        self.acceptance.tick()
+        choice = self.decide(bucket, batch_size, k)
+        self.acceptance.tick(choice != 0)
+        return choice
+
+    def decide(self, bucket: int, batch_size: int, k: int) -> Choice:
         choices = self.candidates(k)
         unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
         if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
