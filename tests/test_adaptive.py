@@ -162,3 +162,29 @@ def test_step_cost_fit_discounts_a_burst_of_slow_steps():
         costs.add(32, 0, 5 * s if i in (3, 4, 5) else s)
     predicted, _ = costs.predict(32, 0)
     assert predicted == pytest.approx(seconds(32, 0), rel=0.05)
+
+
+def test_a_bucket_measured_alone_never_predicts_smaller_batches_slower():
+    """Plain steps at batch sizes 17..32 only (one bucket), their times falling with B by noise:
+    a line through them would predict batch 4 slower than any step seen; the fit predicts it
+    no slower than their mean (a line in B never slopes down)."""
+    from moespec.speculation.adaptive import StepCosts
+    costs, times = StepCosts(), {}
+    for i in range(48):
+        batch = 17 + i % 16
+        times[batch] = 0.030 - 0.0003 * (batch - 17)  # falls with B: noise, not cost
+        costs.add(batch, 0, times[batch])
+    predicted, _ = costs.predict(4, 0)
+    assert predicted <= sum(times.values()) / len(times) * 1.001
+
+
+def test_plain_decoding_is_measured_at_every_bucket_it_meets():
+    """Each bucket the policy meets gets its own plain steps first: the baseline a draft must beat
+    there is what plain decoding does at that batch size, not what it did at another."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy)
+    sim.run(1, 200)
+    first = policy.first_steps
+    choices = sim.run(4, 50)
+    assert choices[:2] == [0, 0] and policy.first_steps == first + 2
+    assert policy.costs.count_at(0, 4) >= 2 and policy.leaders[4] != 0  # then speculation, which wins there

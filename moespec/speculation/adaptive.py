@@ -8,11 +8,10 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
     tokens/s of choice c at batch B = B * E_c / seconds_c(B)
 
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
-  (`StepCosts`), one per family: plain decoding and chains together,
-  `a + c*[k>0] + d*k + b*B + e*B*k` (B*(1+k) tokens verified, k draft forwards; plain decoding
-  is k = 0, so it shares the batch-size slope b that every chain length measures, and a bucket
-  where it seldom runs is predicted from the chains run there), each tree `a + b*B`, with
-  outliers (steps taken in a burst of load) reweighted once. Samples weigh less the
+  (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
+  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
+  taken in a burst of load) reweighted once; a line in B alone never slopes down (a bucket's
+  batch sizes are too close together to tell its slope from noise). Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
@@ -30,7 +29,8 @@ than the leader runs only where its optimistic rate (2 standard errors up) beats
 which is not recorded), and only while exploration stays within `explore_share` (2%) of the
 bucket's steps, so at a batch size where plain decoding is predicted to win, speculating to
 find out costs at most that. Before any prediction exists, each candidate runs `min_samples`
-steps once (the first bucket the engine meets; others are predicted from it).
+steps once (the first bucket the engine meets; others are predicted from it), and plain
+decoding runs `min_samples` steps at every bucket it meets.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -88,16 +88,15 @@ class Prediction:
 
 
 def family(choice: Choice) -> str | TreeShape:
-    """The fit a choice's steps go to: one for plain decoding and chains, one per tree."""
-    return choice if isinstance(choice, TreeShape) else "chain"
+    return choice if isinstance(choice, TreeShape) else "chain" if choice else "plain"
 
 
 def features(choice: Choice, batch_size: int) -> list[float]:
     """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike."""
     b = batch_size / 16
-    if isinstance(choice, TreeShape):
-        return [1.0, b]
-    return [1.0, float(choice > 0), float(choice), b, b * choice]
+    if isinstance(choice, int) and choice:
+        return [1.0, float(choice), b, b * choice]
+    return [1.0, b]
 
 
 class Samples:
@@ -128,8 +127,7 @@ class StepCosts:
                  ridge: float = 0.1, noise_floor: float = 0.02, refit_every: int = 8) -> None:
         self.window, self.half_life, self.locality = window, half_life, locality
         self.ridge, self.noise_floor, self.refit_every = ridge, noise_floor, refit_every
-        # family -> (plain or not, log2 bucket) -> its steps: plain steps keep their own window
-        self.samples: dict[object, dict[tuple[bool, int], Samples]] = {}
+        self.samples: dict[object, dict[int, Samples]] = {}  # family -> log2 bucket -> its steps
         self.added: dict[object, int] = {}  # family -> samples so far
         self.counts: dict[Choice, int] = {}
         # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
@@ -138,13 +136,17 @@ class StepCosts:
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
         x, key = features(choice, batch_size), family(choice)
         buckets = self.samples.setdefault(key, {})
-        where = (choice == 0, log2_bucket(batch_size))
-        buckets.setdefault(where, Samples(self.window, len(x))).add(x, seconds)
+        buckets.setdefault(log2_bucket(batch_size), Samples(self.window, len(x))).add(x, seconds)
         self.added[key] = self.added.get(key, 0) + 1
         self.counts[choice] = self.counts.get(choice, 0) + 1
 
     def count(self, choice: Choice) -> int:
         return self.counts.get(choice, 0)
+
+    def count_at(self, choice: Choice, batch_size: int) -> int:
+        """Steps of choice's family run at batch_size's bucket."""
+        samples = self.samples.get(family(choice), {}).get(log2_bucket(batch_size))
+        return 0 if samples is None else samples.added
 
     def predict(self, batch_size: int, choice: Choice) -> tuple[float, float] | None:
         """Seconds of one step and its standard error; None before the family has a sample. A fit
@@ -170,11 +172,11 @@ class StepCosts:
         inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
         return inverse @ ((x * w[:, None]).T @ y), inverse
 
-    def fit(self, buckets: dict[tuple[bool, int], Samples], where: int) -> tuple:
+    def fit(self, buckets: dict[int, Samples], where: int) -> tuple:
         """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
         normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
         of the cheapest step seen)."""
-        parts = [(*samples.filled(), abs(b - where)) for (_, b), samples in buckets.items()]
+        parts = [(*samples.filled(), abs(b - where)) for b, samples in buckets.items()]
         x = np.concatenate([p[0] for p in parts])  # [N, F]
         y = np.concatenate([p[1] for p in parts])  # [N]
         w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
@@ -185,9 +187,11 @@ class StepCosts:
         scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
         w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
         theta, inverse = self.solve(x, y, w)
+        mean = float((w * y).sum() / w.sum())
+        if x.shape[1] == 2 and theta[1] < 0:  # a + b*B sloping down: the weighted mean instead
+            theta = np.array([mean, 0.0])
         residual = y - x @ theta
         dof = max(w.sum() - x.shape[1], 1.0)
-        mean = float((w * y).sum() / w.sum())
         noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
         return theta, inverse, noise, 0.25 * float(y.min())
 
@@ -319,6 +323,8 @@ class SpeculationPolicy:
     def decide(self, bucket: int, batch_size: int, k: int) -> Choice:
         choices = self.candidates(k)
         unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
+        if not unmeasured and self.costs.count_at(0, batch_size) < self.min_samples:
+            unmeasured = [0]  # plain decoding, the baseline and the cheapest step, measured at every bucket
         if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
             self.first_steps += 1
             return unmeasured[0]

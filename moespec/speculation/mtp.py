@@ -58,18 +58,20 @@ class MTPState:
     computed: int = 0  # positions whose MTP KV holds the target-hidden-state version
     # the target's hidden states at positions computed .. computed+n-1: pieces [n_i, M], joined when taken
     pieces: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0  # n: rows over the pieces
     logits: torch.Tensor | None = None  # [V] carried: predicts the token after the last one
     hidden: torch.Tensor | None = None  # [M] the MTP output that produced `logits`
 
-    @property
-    def num_pending(self) -> int:
-        return sum(piece.shape[0] for piece in self.pieces)
+    def hold(self, rows: torch.Tensor) -> None:
+        self.pieces.append(rows)
+        self.num_pending += rows.shape[0]
 
-    def pending(self) -> torch.Tensor:
-        """The held hidden states as one tensor [n, M] (kept joined)."""
-        if len(self.pieces) > 1:
-            self.pieces = [torch.cat(self.pieces)]
-        return self.pieces[0]
+    def take(self, n: int) -> torch.Tensor:
+        """The first n held hidden states [n, M]; the rest stay held (copied out of the joined ones)."""
+        held = torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
+        self.pieces = [held[n:].clone()] if n < held.shape[0] else []
+        self.num_pending -= n
+        return held[:n]
 
 
 class MTPSpeculator(Speculator):
@@ -173,7 +175,7 @@ class MTPSpeculator(Speculator):
                                f"{state.computed + state.num_pending}, this chunk starts at {chunk.start}")
         over = state.num_pending + rows.shape[0] > limit
         # a piece that waits past this step is copied, not a view that keeps the batch's alive
-        state.pieces.append(rows if over else rows.clone())
+        state.hold(rows if over else rows.clone())
         return over
 
     def flush(self, seqs: list[Sequence]) -> None:
@@ -197,9 +199,7 @@ class MTPSpeculator(Speculator):
             state = self.state(seq)
             n = end - state.computed
             spans.append(Span(seq.pages, state.computed, seq.token_at(state.computed + 1, end + 1)))
-            held = state.pending()
-            hidden.append(held[:n])
-            state.pieces = [held[n:].clone()] if n < held.shape[0] else []
+            hidden.append(state.take(n))
             state.computed = end
         return spans, torch.cat(hidden)
 
