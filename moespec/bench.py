@@ -18,7 +18,9 @@ mean TTFT and TPOT, accept length and per-position acceptance, the steps adaptiv
 chose and how many of them it spent exploring (explore_steps); and its speedup over `none`
 as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for the spread:
 shared CPU machines drift by 10-20% within a minute (a variant such as `mtp:2/compiled` also
-gets its speedup over `none/compiled`, speedup_same_switches). With --hf-assisted, transformers' plain
+gets its speedup over `none/compiled`, speedup_same_switches). Every engine first runs one
+warm-up turn of WARMUP_TOKENS tokens per request at the batch size, in which adaptive
+speculation takes its first measurement of every choice. With --hf-assisted, transformers' plain
 and assisted `generate` (same target and draft) run at batch 1 in the same process for
 comparison.
 
@@ -53,6 +55,9 @@ import torch
 from moespec.machine import run_info
 
 logger = logging.getLogger(__name__)
+# tokens per request of every engine's warm-up at each batch size: enough decode steps for
+# adaptive speculation to measure each choice once, as a server does in its first seconds
+WARMUP_TOKENS = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,8 +339,8 @@ def run(args: argparse.Namespace) -> int:
         for llm in engines.values():
             llm.engine.warm_up()  # model.compile: every bucket (captured steps were captured when built)
         compile_s = {label: llm.engine.warm_up_s for label, llm in engines.items()}
-        for llm in engines.values():  # warm-up
-            llm.generate(warmup[:batch], replace(params, max_tokens=4), use_tqdm=False)
+        for llm in engines.values():  # warm-up; adaptive speculation's first measurement of each choice
+            llm.generate(warmup[:batch], replace(params, max_tokens=WARMUP_TOKENS), use_tqdm=False)
         runs: dict[str, list[dict]] = {label: [] for label in engines}
         for r in range(args.repeats):
             labels = list(engines)

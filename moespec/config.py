@@ -65,6 +65,11 @@ class SpeculationSection:
     relaxed_delta: float = 0.5
     adaptive: bool = True
     adaptive_margin: float = 0.05  # adaptive: how much faster a draft length must measure to take the lead
+    # mode mtp: target hidden states a request may hold before the MTP layer runs over them. While
+    # steps do not speculate (a prompt, plain decoding) the layer's work waits until a draft is
+    # needed, so a request that finishes first never pays for it; at most 1 + k where the layer's
+    # forwards run in lockstep across ranks (their exchange is sized for that)
+    mtp_hold_tokens: int = 256
     # batch size -> speculative tokens; the largest key <= batch size applies; 0 turns speculation off
     schedule: dict | None = None
     # a draft tree instead of a chain (speculation/tree.py): {top_k, depth, num_draft_tokens};
@@ -199,6 +204,8 @@ class EngineConfig:
                               f"allowed: {', '.join(map(str, DEEPEP_EP_SIZES))} (or 1: no exchange)")
         if self.speculation.mode != "none":
             check_positive(self.speculation.num_speculative_tokens, "speculation.num_speculative_tokens")
+        if self.speculation.mtp_hold_tokens < 0:
+            raise ConfigError(f"speculation.mtp_hold_tokens must be >= 0, got {self.speculation.mtp_hold_tokens!r}")
         if not self.speculation.adaptive_margin >= 0:
             raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
         if self.model.max_model_len is not None:

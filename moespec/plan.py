@@ -237,11 +237,14 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
             components.append(Component("packed weights", packed, "model.pack_linears: a second copy of the linears "
                                         "packed for oneDNN"))
     if spec.mode == "mtp":
-        from moespec.speculation.mtp import mtp_state_bytes
+        from moespec.speculation.mtp import hold_limit, mtp_state_bytes
 
-        components.append(Component("MTP state", mtp_state_bytes(sched.max_num_seqs, k, model_config.hidden_size,
+        # the built-in layer's forwards run in lockstep across ranks where its experts are sharded
+        held = hold_limit(k, spec.mtp_hold_tokens, spec.mtp_head is None and config.parallel.ep_size > 1)
+        components.append(Component("MTP state", mtp_state_bytes(sched.max_num_seqs, held, model_config.hidden_size,
                                                                  dtype),
-                                    "target hidden states awaiting the MTP layer: max_num_seqs x (1 + k) x hidden"))
+                                    f"target hidden states awaiting the MTP layer: max_num_seqs x {held} x hidden "
+                                    "(speculation.mtp_hold_tokens; 1 + k across ranks)"))
     components += deepep_components(config, model_config) + flashinfer_components(config)
     components.append(Component("penalty counts", sched.max_num_seqs * PENALTY_COUNT_BYTES * model_config.vocab_size,
                                 "kept for running requests with penalties (sampling.TokenCounts): "

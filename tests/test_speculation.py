@@ -345,21 +345,25 @@ def test_seeded_output_never_depends_on_the_batch_or_speculation(deepseek_mtp, l
     assert stats_.steps > 0 and 0 < stats_.accepted_tokens < stats_.draft_tokens  # drafts were both kept and rejected
 
 
-def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mtp):
+@pytest.mark.parametrize("hold", [0, 16], ids=["eager", "held"])
+def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mtp, hold):
     """Long prompts in small chunks, mixed batches and stretches of plain steps: between steps
-    the MTP speculator holds at most 1 + k target hidden states per running request (a flush
-    runs the MTP layer over the rest), nothing sized by the KV cache, and after plain steps the
-    next proposal still catches up (it does not feed the adaptive policy)."""
+    the MTP speculator holds at most `hold_limit` target hidden states per running request (1 + k,
+    or speculation.mtp_hold_tokens; a flush runs the MTP layer over the rest), nothing sized by
+    the KV cache, and after plain steps the next proposal still catches up (it does not feed the
+    adaptive policy)."""
     import itertools
     k, max_num_seqs, num_kv_pages, page_size = 2, 3, 256, 4
+    limit = max(1 + k, hold)
     batch = prompts([40, 57, 33, 71, 25, 48, 9, 62], seed=12)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 40, 25, 33, 8, 45, 20)]
     ref, _ = generate(deepseek_mtp, None, batch, params, max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
-    llm = LLM(model=deepseek_mtp, speculation={"mode": "mtp", "num_speculative_tokens": k, "adaptive": False},
+    llm = LLM(model=deepseek_mtp, speculation={"mode": "mtp", "num_speculative_tokens": k, "adaptive": False,
+                                               "mtp_hold_tokens": hold},
               page_size=page_size, num_kv_pages=num_kv_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
     engine, spec = llm.engine, llm.engine.speculator
-    assert spec.max_pending_tokens == max_num_seqs * (1 + k)
-    assert spec.state_bytes() == max_num_seqs * (1 + k) * engine.model.config.hidden_size * 4  # float32 tiny model
+    assert spec.hold_limit == limit and spec.max_pending_tokens == max_num_seqs * limit
+    assert spec.state_bytes() == max_num_seqs * limit * engine.model.config.hidden_size * 4  # float32 tiny model
     lengths = itertools.cycle([2, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 2, 2, 0, 0, 1])  # the policy's choices, scripted
     engine.policy.choose = lambda batch_size: next(lengths)
     flushed, propose, flush = [], spec.propose, spec.flush
@@ -379,7 +383,7 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     while engine.has_unfinished():
         engine.step()
         assert spec.pending_tokens() <= spec.max_pending_tokens
-        assert all(state.num_pending <= 1 + k for state in spec.states.values())
+        assert all(state.num_pending <= limit for state in spec.states.values())
         assert len(spec.states) <= max_num_seqs
         assert not [name for name, value in vars(spec).items()
                     if isinstance(value, torch.Tensor) and capacity in value.shape]
@@ -387,6 +391,26 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     assert flushed and engine.spec_stats.steps > 0
     assert after_plain and not any(after_plain)
     assert not spec.states  # released with their requests
+
+
+def test_mtp_layer_waits_for_a_draft_while_steps_do_not_speculate(deepseek_mtp):
+    """Where no step speculates (the schedule's k is 0 at this batch size), requests that finish
+    within speculation.mtp_hold_tokens never run the MTP layer: no flush after their prompts or
+    plain steps. With the eager hold (1 + k) the same requests do."""
+    batch = prompts([40, 57, 33], seed=14)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 40)]
+    ref, _ = generate(deepseek_mtp, None, batch, params, max_num_seqs=4)
+    forwards = {}
+    for hold in (0, 128):
+        llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=256, max_num_seqs=4,
+                  speculation={"mode": "mtp", "num_speculative_tokens": 2, "schedule": {1: 0}, "mtp_hold_tokens": hold})
+        spec, calls = llm.engine.speculator, []
+        forward = spec.forward
+        spec.forward = lambda *args, **kwargs: (calls.append(1), forward(*args, **kwargs))[1]
+        outs = llm.generate(batch, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        forwards[hold] = len(calls)
+    assert forwards[128] == 0 and forwards[0] > 0
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -60,4 +60,5 @@ def create_mtp(config: EngineConfig, target, target_runner) -> Speculator:
         caches = target_runner.cache.layers  # the MTP layer's cache is layer num_hidden_layers of the target's
     return MTPSpeculator(mtp, caches, spec.num_speculative_tokens, config.scheduler.max_num_seqs, cache.page_size,
                          target.config.hidden_size, dtype, config.model.device, config.model.attention_backend,
-                         target_runner.static_spec, cache.num_kv_pages)
+                         target_runner.static_spec, cache.num_kv_pages, spec.mtp_hold_tokens,
+                         flush_prompts=cache.prefix_caching)

@@ -10,7 +10,8 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
   (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
   (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
-  taken in a burst of load) reweighted once. Samples weigh less the
+  taken in a burst of load) reweighted once; a line in B alone never slopes down (a bucket's
+  batch sizes are too close together to tell its slope from noise). Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
@@ -28,7 +29,8 @@ than the leader runs only where its optimistic rate (2 standard errors up) beats
 which is not recorded), and only while exploration stays within `explore_share` (2%) of the
 bucket's steps, so at a batch size where plain decoding is predicted to win, speculating to
 find out costs at most that. Before any prediction exists, each candidate runs `min_samples`
-steps once (the first bucket the engine meets; others are predicted from it).
+steps once (the first bucket the engine meets; others are predicted from it), and plain
+decoding runs `min_samples` steps at every bucket it meets.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -141,6 +143,11 @@ class StepCosts:
     def count(self, choice: Choice) -> int:
         return self.counts.get(choice, 0)
 
+    def count_at(self, choice: Choice, batch_size: int) -> int:
+        """Steps of choice's family run at batch_size's bucket."""
+        samples = self.samples.get(family(choice), {}).get(log2_bucket(batch_size))
+        return 0 if samples is None else samples.added
+
     def predict(self, batch_size: int, choice: Choice) -> tuple[float, float] | None:
         """Seconds of one step and its standard error; None before the family has a sample. A fit
         is redone after a new sample, at most once per `refit_every` predictions or samples."""
@@ -180,9 +187,11 @@ class StepCosts:
         scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
         w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
         theta, inverse = self.solve(x, y, w)
+        mean = float((w * y).sum() / w.sum())
+        if x.shape[1] == 2 and theta[1] < 0:  # a + b*B sloping down: the weighted mean instead
+            theta = np.array([mean, 0.0])
         residual = y - x @ theta
         dof = max(w.sum() - x.shape[1], 1.0)
-        mean = float((w * y).sum() / w.sum())
         noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
         return theta, inverse, noise, 0.25 * float(y.min())
 
@@ -212,17 +221,21 @@ class Mean:
 class Acceptance:
     """Tokens per request per step of each choice, from recent verify steps: per chain position
     i, the share of requests that drafted it and accepted it (with all before it); per tree (and
-    per chain length where positions are not counted), its mean. Every policy step multiplies the
-    weight of what was counted by `decay`: the means follow a shift, their errors grow."""
+    per chain length where positions are not counted), its mean. Every speculative step multiplies
+    the weight of what was counted by `decay`, so the means follow a shift within tens of steps;
+    every plain step by `idle_decay`, closer to 1: while nothing is measured the errors grow
+    slowly, so where plain decoding wins speculation is measured again every few hundred steps,
+    not every few tens."""
 
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
+    def __init__(self, decay: float = 0.98, idle_decay: float = 0.995) -> None:
+        self.decay, self.idle_decay = decay, idle_decay
         self.positions: list[Mean] = []  # [K] P(a > i) among requests that drafted position i
         self.steps: dict[Choice, Mean] = {}  # choice -> tokens per request per step
 
-    def tick(self) -> None:
+    def tick(self, speculating: bool) -> None:
+        decay = self.decay if speculating else self.idle_decay
         for mean in (*self.positions, *self.steps.values()):
-            mean.weight *= self.decay
+            mean.weight *= decay
 
     def add_verify(self, k: int, num_accepted: list[int]) -> None:
         self.positions += [Mean() for _ in range(k - len(self.positions))]
@@ -303,9 +316,15 @@ class SpeculationPolicy:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        self.acceptance.tick()
+        choice = self.decide(bucket, batch_size, k)
+        self.acceptance.tick(choice != 0)
+        return choice
+
+    def decide(self, bucket: int, batch_size: int, k: int) -> Choice:
         choices = self.candidates(k)
         unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
+        if not unmeasured and self.costs.count_at(0, batch_size) < self.min_samples:
+            unmeasured = [0]  # plain decoding, the baseline and the cheapest step, measured at every bucket
         if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
             self.first_steps += 1
             return unmeasured[0]

@@ -7,10 +7,16 @@ predicts token i+2; it shares the target's page ids (and, right after verificati
   token plugged in at each request's accepted length, all with tensor ops, so nothing waits
   for the host to read accepted lengths. Rejected slots write KV that is overwritten later.
 - Positions the MTP layer has not seen yet (a prefill, a mixed batch, steps that did not
-  speculate) keep the target's hidden states per request (`MTPState.pending`). A request
-  holding more than 1 + K of them is flushed right after the target forward (`observe`): the
-  MTP layer runs over those whose next token is known. The rest catch up in `propose`. So
-  between steps a running request holds at most 1 + K hidden states, whatever the KV capacity.
+  speculate) keep the target's hidden states per request (`MTPState.pieces`). A request
+  holding more than `hold_limit` of them is flushed right after the target forward
+  (`observe`): the MTP layer runs over those whose next token is known. The rest catch up in
+  `propose`, when a draft is needed. So between steps a running request holds at most
+  `hold_limit` hidden states, whatever the KV capacity: `speculation.mtp_hold_tokens` (the
+  layer's work on a prompt and on plain decode steps waits for the next draft, and a request
+  that finishes first never pays for it), or 1 + K where the layer's forwards run in lockstep
+  across ranks and their exchange is sized for that many. With prefix caching a prompt's chunks
+  are flushed at 1 + K as before, so its pages are cached with their MTP KV at once (pages of
+  held decode steps are cached for the layer only once it has run over them).
 - k > 1 chains the layer on its own hidden states.
 - Prefix caching: the layer's KV at position p reads token p + 1, so a cached page's key
   includes the token after it (`kv_lookahead`); a hit then holds exact MTP KV, and the layer
@@ -23,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,21 +42,36 @@ from moespec.speculation.tree import DraftTree, TreeShape, grow_tree, tree_level
 from moespec.static_step import StaticSteps, mtp_step
 
 
-def mtp_state_bytes(max_num_seqs: int, k: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """The most target hidden states [M] the MTP speculator holds between steps: 1 + k per request."""
-    return max_num_seqs * (1 + k) * hidden_size * dtype.itemsize
+def hold_limit(k: int, hold_tokens: int, in_lockstep: bool) -> int:
+    """Target hidden states a request may hold before a flush: `hold_tokens`, at least 1 + k;
+    exactly 1 + k where the MTP layer's forwards run in lockstep across ranks."""
+    return 1 + k if in_lockstep else max(1 + k, hold_tokens)
+
+
+def mtp_state_bytes(max_num_seqs: int, held: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The most target hidden states [M] the MTP speculator holds between steps: `held` per request."""
+    return max_num_seqs * held * hidden_size * dtype.itemsize
 
 
 @dataclass
 class MTPState:
     computed: int = 0  # positions whose MTP KV holds the target-hidden-state version
-    pending: torch.Tensor | None = None  # [n, M] the target's hidden states at positions computed .. computed+n-1
+    # the target's hidden states at positions computed .. computed+n-1: pieces [n_i, M], joined when taken
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0  # n: rows over the pieces
     logits: torch.Tensor | None = None  # [V] carried: predicts the token after the last one
     hidden: torch.Tensor | None = None  # [M] the MTP output that produced `logits`
 
-    @property
-    def num_pending(self) -> int:
-        return 0 if self.pending is None else self.pending.shape[0]
+    def hold(self, rows: torch.Tensor) -> None:
+        self.pieces.append(rows)
+        self.num_pending += rows.shape[0]
+
+    def take(self, n: int) -> torch.Tensor:
+        """The first n held hidden states [n, M]; the rest stay held (copied out of the joined ones)."""
+        held = torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
+        self.pieces = [held[n:].clone()] if n < held.shape[0] else []
+        self.num_pending -= n
+        return held[:n]
 
 
 class MTPSpeculator(Speculator):
@@ -60,13 +81,15 @@ class MTPSpeculator(Speculator):
 
     def __init__(self, mtp_model, caches, num_tokens: int, max_num_seqs: int, page_size: int, hidden_size: int,
                  dtype: torch.dtype, device, attention_backend: str = "torch", static=None,
-                 num_pages: int = 0) -> None:
+                 num_pages: int = 0, hold_tokens: int = 0, flush_prompts: bool = False) -> None:
         """`mtp_model` offers forward_mtp / compute_mtp_logits; `caches` are the KV layers it writes
         (the target's own cache for a built-in layer, a separate one for an external head).
         `static` (static_step.StaticSpec): chain steps and the verify re-run run as static steps
-        (moespec.static_step); the caches then hold a scratch page, page `num_pages`."""
+        (moespec.static_step); the caches then hold a scratch page, page `num_pages`.
+        `hold_tokens`: target hidden states a request may hold before a flush (`hold_limit`);
+        `flush_prompts`: a prompt's chunks hold at most 1 + K (prefix caching)."""
         self.mtp, self.caches = mtp_model, caches
-        self.max_tokens = num_tokens
+        self.max_tokens, self.hold_tokens, self.flush_prompts = num_tokens, hold_tokens, flush_prompts
         self.max_num_seqs, self.page_size = max_num_seqs, page_size
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, torch.device(device)
         self.backend = create_backend(attention_backend, self.device)  # for flushes, catch-up and chain steps
@@ -75,6 +98,10 @@ class MTPSpeculator(Speculator):
         self.static = (StaticSteps(functools.partial(mtp_step, mtp_model), caches, attention_backend, self.device,
                                    static, num_pages, page_size, input_hidden=(hidden_size, dtype))
                        if static else None)
+
+    @property
+    def hold_limit(self) -> int:
+        return hold_limit(self.max_tokens, self.hold_tokens, self.sync is not None)
 
     def state(self, seq: Sequence) -> MTPState:
         return self.states.setdefault(seq.request_id, MTPState())
@@ -104,11 +131,11 @@ class MTPSpeculator(Speculator):
 
     @property
     def max_pending_tokens(self) -> int:
-        """Target hidden states held between steps: at most 1 + K per running request."""
-        return self.max_num_seqs * (1 + self.max_tokens)
+        """Target hidden states held between steps: at most `hold_limit` per running request."""
+        return self.max_num_seqs * self.hold_limit
 
     def state_bytes(self) -> int:
-        return mtp_state_bytes(self.max_num_seqs, self.max_tokens, self.hidden_size, self.dtype)
+        return mtp_state_bytes(self.max_num_seqs, self.hold_limit, self.hidden_size, self.dtype)
 
     def pending_tokens(self) -> int:
         """Target hidden states held now, over all requests."""
@@ -125,7 +152,8 @@ class MTPSpeculator(Speculator):
         hidden, row, over = hidden.to(self.dtype), 0, []
         for chunk in chunks:
             # overlap scheduling: a request that finished with the step before still has its row here
-            if not chunk.seq.is_finished and self.hold(chunk, hidden[row: row + chunk.num_tokens]):
+            limit = 1 + self.max_tokens if self.flush_prompts and not chunk.is_decode else self.hold_limit
+            if not chunk.seq.is_finished and self.hold(chunk, hidden[row: row + chunk.num_tokens], limit):
                 over.append(chunk.seq)
             row += chunk.num_tokens
         if over:
@@ -133,24 +161,21 @@ class MTPSpeculator(Speculator):
 
     def needs_flush(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether `observe` will flush after a target forward over these (non-verify) chunks."""
-        limit = 1 + self.max_tokens
-        return any(self.state(c.seq).num_pending + c.num_tokens > limit for c in chunks)
+        return any(self.state(c.seq).num_pending + c.num_tokens > self.hold_limit for c in chunks)
 
     def needs_catch_up(self, seqs: list[Sequence]) -> bool:
         return any(self.lags(seq) for seq in seqs)
 
-    def hold(self, chunk: ScheduledChunk, rows: torch.Tensor) -> bool:
+    def hold(self, chunk: ScheduledChunk, rows: torch.Tensor, limit: int) -> bool:
         """Append a chunk's hidden states [n, M] to its request's pending ones; True when they
-        exceed 1 + K (held as a view of the batch's until `flush` consumes them)."""
+        exceed `limit` (held as a view of the batch's until `flush` consumes them)."""
         state = self.state(chunk.seq)
         if chunk.start != state.computed + state.num_pending:
             raise RuntimeError(f"MTP: request {chunk.seq.request_id} has target hidden states up to position "
                                f"{state.computed + state.num_pending}, this chunk starts at {chunk.start}")
-        over = state.num_pending + rows.shape[0] > 1 + self.max_tokens
-        if state.pending is None:
-            state.pending = rows if over else rows.clone()  # not a view that keeps the batch's alive
-        else:
-            state.pending = torch.cat([state.pending, rows])
+        over = state.num_pending + rows.shape[0] > limit
+        # a piece that waits past this step is copied, not a view that keeps the batch's alive
+        state.hold(rows if over else rows.clone())
         return over
 
     def flush(self, seqs: list[Sequence]) -> None:
@@ -174,8 +199,7 @@ class MTPSpeculator(Speculator):
             state = self.state(seq)
             n = end - state.computed
             spans.append(Span(seq.pages, state.computed, seq.token_at(state.computed + 1, end + 1)))
-            hidden.append(state.pending[:n])
-            state.pending = state.pending[n:].clone() if n < state.num_pending else None
+            hidden.append(state.take(n))
             state.computed = end
         return spans, torch.cat(hidden)
 
