@@ -174,8 +174,9 @@ class StructuredSection:
     # the engine that compiles and enforces structured outputs (docs/structured-outputs.md):
     # xgrammar, llguidance, or auto: a JSON schema with llguidance where installed, xgrammar for
     # what it refuses; regex, choice and EBNF grammars with xgrammar. A schema the engine would
-    # not enforce exactly is refused (400), never served loosely.
-    backend: Literal["xgrammar", "llguidance", "auto"] = "auto"
+    # not enforce exactly is refused (400), never served loosely. xgrammar by default: llguidance
+    # leaves objects open to extra properties, so small models run to max_tokens more often there.
+    backend: Literal["xgrammar", "llguidance", "auto"] = "xgrammar"
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,8 @@ def tokens_of(tokenizer, value) -> list[int]:
 def test_backend_comes_from_the_config(grammars):
     model = {"model": {"path": DEEPSEEK}}
     assert build_config({**model, "structured": {"backend": "llguidance"}}).structured.backend == "llguidance"
-    assert build_config(model, {"structured_backend": "xgrammar"}).structured.backend == "xgrammar"
-    assert build_config(model).structured.backend == "auto"
+    assert build_config(model, {"structured_backend": "auto"}).structured.backend == "auto"
+    assert build_config(model).structured.backend == "xgrammar"  # the default
     with pytest.raises(ConfigError, match=r"structured.backend: 'outlines' is not allowed; allowed: 'xgrammar', "):
         build_config({**model, "structured": {"backend": "outlines"}})
     plain = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
