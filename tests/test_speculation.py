@@ -396,13 +396,14 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
 def test_mtp_layer_waits_for_a_draft_while_steps_do_not_speculate(deepseek_mtp):
     """Where no step speculates (the schedule's k is 0 at this batch size), requests that finish
     within speculation.mtp_hold_tokens never run the MTP layer: no flush after their prompts or
-    plain steps. With the eager hold (1 + k) the same requests do."""
+    plain steps (prefix caching off: with it, a prompt is flushed at once so that its pages are
+    cached with their MTP KV). With the eager hold (1 + k) the same requests do."""
     batch = prompts([40, 57, 33], seed=14)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 40)]
     ref, _ = generate(deepseek_mtp, None, batch, params, max_num_seqs=4)
     forwards = {}
     for hold in (0, 128):
-        llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=256, max_num_seqs=4,
+        llm = LLM(model=deepseek_mtp, page_size=4, num_kv_pages=256, max_num_seqs=4, prefix_caching=False,
                   speculation={"mode": "mtp", "num_speculative_tokens": 2, "schedule": {1: 0}, "mtp_hold_tokens": hold})
         spec, calls = llm.engine.speculator, []
         forward = spec.forward
