@@ -1,7 +1,7 @@
 """Schemathesis against the server's own /openapi.json: every check (`--checks all`: no 5xx,
 documented statuses and content types, response bodies that match their schemas, schema-valid
-requests accepted, schema-invalid ones refused), a fixed seed, one minute (MOESPEC_FUZZ_SECONDS for
-longer: two minutes generated 1477 cases on two CPU cores, 2026-12-02). A random tiny
+requests accepted, schema-invalid ones refused), a fixed seed, 30 seconds (MOESPEC_FUZZ_SECONDS for
+longer: 40 seconds generated 2464 cases, 279 of them served completions, on two CPU cores, 2026-12-03). A random tiny
 DeepSeek-V3 with its MTP layer serves, with small limits so that each fuzzed request is cheap;
 the server's own counters show how many fuzzed requests reached generation."""
 import json
@@ -20,7 +20,7 @@ from moespec.engine import Engine
 from moespec.server import create_app
 from test_server import RunningServer, save_tiny_deepseek_mtp
 
-MAX_TIME_S = int(os.environ.get("MOESPEC_FUZZ_SECONDS", "60"))
+MAX_TIME_S = int(os.environ.get("MOESPEC_FUZZ_SECONDS", "30"))
 TESTS = Path(__file__).resolve().parent
 
 

@@ -109,69 +109,78 @@ def build_step(prompts: list[list[int]], pages: list[list[int]], done: list[int]
     return tensor(ids), tensor(nxt), meta
 
 
-def ep_rank(rank: int, checkpoint: str, ep_size: int, microbatch: bool | str, latency_s: float = 0.0,
-            die: bool = False, hang: bool = False, timeout_s: float = 20, low_latency: bool | None = None) -> dict:
-    """microbatch: False, True (within each MoE layer) or "two_batch" (across the whole forward)."""
+def ep_rank(rank: int, checkpoint: str, ep_size: int, variants: list[tuple], die: bool = False, hang: bool = False,
+            timeout_s: float = 20) -> list[dict] | dict:
+    """Each variant (microbatch, latency_s, low_latency) run in turn on one process group, a
+    runtime and model of its own each. microbatch: False, True (within each MoE layer) or
+    "two_batch" (across the whole forward)."""
     ctx = init_parallel(ParallelSection(ep_size=ep_size, timeout_s=timeout_s))
+    start = time.monotonic()
+    results = []
+    try:
+        for microbatch, latency_s, low_latency in variants:
+            results.append(run_variant(rank, ctx, checkpoint, microbatch, latency_s, low_latency, die, hang, timeout_s))
+        return results
+    except ParallelError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    finally:
+        destroy(ctx)
+
+
+def run_variant(rank: int, ctx: ParallelContext, checkpoint: str, microbatch: bool | str, latency_s: float,
+                low_latency: bool | None, die: bool, hang: bool, timeout_s: float) -> dict:
     link = ThrottledCollectives(ctx, LinkModel(latency_s, 1e9)) if latency_s else None
     runtime = EPRuntime(ctx, link, microbatch=bool(microbatch), two_batch=microbatch == "two_batch")
-    model = load_model(checkpoint, show_progress=False, experts_factory=ep_experts_factory(runtime))
-    if die and rank == ep_size - 1:
-        os._exit(3)  # a crashed rank: no goodbye to its peers
-    if hang and rank == ep_size - 1:
-        time.sleep(3 * timeout_s)  # a stuck rank: alive, silent
-    start = time.monotonic()
     try:
+        model = load_model(checkpoint, show_progress=False, experts_factory=ep_experts_factory(runtime))
+        if die and rank == ctx.world_size - 1:
+            os._exit(3)  # a crashed rank: no goodbye to its peers
+        if hang and rank == ctx.world_size - 1:
+            time.sleep(3 * timeout_s)  # a stuck rank: alive, silent
         # the fixed-capacity exchange takes at most max_tokens_per_rank (256) tokens per rank: every chunk fits
         halved = []
         out = {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime, low_latency=low_latency, halved=halved)
                for chunk in CHUNKS}
         return {**out, "halved": halved}
-    except ParallelError as error:
-        return {"error": str(error), "seconds": time.monotonic() - start}
     finally:
         runtime.close()
-        destroy(ctx)
 
 
 def max_error(got: tuple, want: tuple) -> float:
     return max((g - w).abs().max().item() for gs, ws in zip(got, want) for g, w in zip(gs, ws))
 
 
-def run_ep(checkpoint: str, ep_size: int, microbatch: bool | str, latency_s: float = 0.0,
-           low_latency: bool | None = None) -> list[dict]:
-    outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, microbatch, latency_s, False, False, 20, low_latency,
-                         timeout_s=50)
+# (microbatch, latency_s, low_latency) run by each EP size's ranks in one process group:
+EP_VARIANTS = {
+    2: [(False, 0.0, None), (True, 0.002, None),  # the uneven exchange, sequential and microbatched
+        (True, 0.002, True),  # the fixed-capacity exchange
+        ("two_batch", 0.002, None)],  # two-batch overlap
+    4: [(True, 0.0, None), (False, 0.0, True), ("two_batch", 0.0, True)]}
+
+
+@pytest.mark.parametrize("ep_size", list(EP_VARIANTS))
+def test_ep_matches_single_process(checkpoint, reference, ep_size):
+    """Each variant's logits on every rank equal one process's; with them, microbatched equals sequential."""
+    outcomes = run_ranks(ep_rank, ep_size, checkpoint, ep_size, EP_VARIANTS[ep_size], timeout_s=120)
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
-    return [outcome.value for outcome in outcomes]
-
-
-@pytest.mark.parametrize("ep_size,microbatch,latency_s,low_latency", [
-    (2, False, 0.0, None), (2, True, 0.002, None), (4, True, 0.0, None),  # the uneven exchange
-    (2, True, 0.002, True), (4, False, 0.0, True),  # the fixed-capacity exchange
-    (2, "two_batch", 0.002, None), (4, "two_batch", 0.0, True)])  # two-batch overlap: both exchanges
-def test_ep_matches_single_process(checkpoint, reference, ep_size, microbatch, latency_s, low_latency):
-    ranks = run_ep(checkpoint, ep_size, microbatch, latency_s, low_latency)
-    if microbatch == "two_batch":  # batches of 2+ requests ran as halves in turns; the last steps' 1 request did not
-        requests = [n for n, _ in ranks[0]["halved"]]
-        assert requests.count(4) >= 2 and 1 not in requests, ranks[0]["halved"]
-        assert all(turns for _, turns in ranks[0]["halved"]), ranks[0]["halved"]
-    for chunk in CHUNKS:
-        for values in ranks:  # every rank ends with the full batch's logits
-            error = max_error(values[chunk], reference[chunk])
-            assert error < 1e-5, (chunk, error)
-
-
-def test_microbatched_equals_sequential(checkpoint):
-    sequential, microbatched = run_ep(checkpoint, 2, False)[0], run_ep(checkpoint, 2, True)[0]
-    for chunk in CHUNKS:
-        assert max_error(microbatched[chunk], sequential[chunk]) < 1e-5
+        assert isinstance(outcome.value, list), outcome.value
+    for i, (microbatch, latency_s, low_latency) in enumerate(EP_VARIANTS[ep_size]):
+        variant = (ep_size, microbatch, latency_s, low_latency)
+        ranks = [outcome.value[i] for outcome in outcomes]
+        if microbatch == "two_batch":  # batches of 2+ requests ran as halves in turns; the last steps' 1 request did not
+            requests = [n for n, _ in ranks[0]["halved"]]
+            assert requests.count(4) >= 2 and 1 not in requests, (variant, ranks[0]["halved"])
+            assert all(turns for _, turns in ranks[0]["halved"]), (variant, ranks[0]["halved"])
+        for chunk in CHUNKS:
+            for values in ranks:  # every rank ends with the full batch's logits
+                error = max_error(values[chunk], reference[chunk])
+                assert error < 1e-5, (variant, chunk, error)
 
 
 def test_dead_rank_fails_peers_clearly(checkpoint):
     start = time.monotonic()
-    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, True, 0.0, True, timeout_s=50)
+    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, [(True, 0.0, None)], True, timeout_s=50)
     survivor, dead = outcomes
     assert dead.exitcode == 3
     assert survivor.error is None and "error" in survivor.value, survivor
@@ -180,7 +189,7 @@ def test_dead_rank_fails_peers_clearly(checkpoint):
 
 
 def test_stuck_rank_fails_peers_after_timeout(checkpoint):
-    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, False, 0.0, False, True, 4.0, timeout_s=20)
+    outcomes = run_ranks(ep_rank, 2, checkpoint, 2, [(False, 0.0, None)], False, True, 4.0, timeout_s=20)
     survivor = outcomes[0]
     assert survivor.error is None and "error" in survivor.value, survivor
     assert "peer rank" in survivor.value["error"] and survivor.value["seconds"] < 15
@@ -224,11 +233,22 @@ def test_ep2_config_loads():
             config.parallel.dist_backend) == (2, "torch", True, "gloo")
 
 
-def dp_experts_rank(rank: int, microbatch: bool, low_latency: bool | None) -> list[float]:
+DP_VARIANTS = [(False, None), (True, None), (False, True), (True, True)]  # (microbatch, low_latency)
+
+
+def dp_experts_rank(rank: int) -> list[list[float]]:
+    """Each variant of DP_VARIANTS on one process group, a runtime of its own each."""
+    ctx = init_parallel(ParallelSection(ep_size=3, timeout_s=20))
+    try:
+        return [dp_experts_errors(rank, ctx, microbatch, low_latency) for microbatch, low_latency in DP_VARIANTS]
+    finally:
+        destroy(ctx)
+
+
+def dp_experts_errors(rank: int, ctx: ParallelContext, microbatch: bool, low_latency: bool | None) -> list[float]:
     """Data-parallel attention: each rank's own rows (rank 1 has none; rank 2 has one) through the
     EP experts; the error against the same experts run locally over those rows."""
     from moespec.models.moe import LocalExperts
-    ctx = init_parallel(ParallelSection(ep_size=3, timeout_s=20))
     runtime = EPRuntime(ctx, microbatch=microbatch, dp=True)
     torch.manual_seed(0)
     full = LocalExperts(6, 16, 8)  # the same weights on every rank
@@ -259,16 +279,15 @@ def dp_experts_rank(rank: int, microbatch: bool, low_latency: bool | None) -> li
         runtime.join([experts], torch.float32)  # every rank without work: the empty joins pair up
     finally:
         runtime.close()
-        destroy(ctx)
     return errors
 
 
-@pytest.mark.parametrize("microbatch,low_latency", [(False, None), (True, None), (False, True), (True, True)])
-def test_dp_experts_each_rank_gets_its_own_rows_back(microbatch, low_latency):
-    outcomes = run_ranks(dp_experts_rank, 3, microbatch, low_latency, timeout_s=60)
+def test_dp_experts_each_rank_gets_its_own_rows_back():
+    outcomes = run_ranks(dp_experts_rank, 3, timeout_s=120)
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
-        assert max(outcome.value) < 1e-5, outcome.value
+        for variant, errors in zip(DP_VARIANTS, outcome.value):
+            assert max(errors) < 1e-5, (variant, errors)
 
 
 def test_deepep_backend_without_deepep_says_what_to_install():
