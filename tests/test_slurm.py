@@ -6,8 +6,8 @@
   `sbatch launch/slurm/cpu-test.sbatch` with 2 tasks (and llama-draft.sbatch on the tiny Llama pair,
   and deepseek-v3-ep.sbatch cut down to one node of 2 CPU ranks), then asks the leader for a greedy
   completion and checks that its text and token count equal a single-process run of the same
-  config (same overrides, parallel.ep_size=1) in this process. It runs in the default suite
-  (about 45 s a case).
+  config (same overrides, parallel.ep_size=1) in this process. The cases share one cluster and
+  run in the default suite (about 15 s a case).
 
 The test installs nothing: CI's `.ci/run` installs Debian's slurm-wlm and munge (as root) and sets
 CI=true. Where slurm/munge are missing, will not start, or we are not root, the cluster cases
@@ -331,11 +331,12 @@ def test_missing_slurm_fails_in_ci(monkeypatch, ci):
         require_slurm()
 
 
-@pytest.mark.parametrize("sbatch_file", list(CASES))
-def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A one-node slurm cluster (munged, slurmctld, slurmd) shared by the sbatch cases: its
+    environment and directory."""
     require_slurm()
-    case = CASES[sbatch_file]
-    tmp = tmp_path / "cluster"
+    tmp = tmp_path_factory.mktemp("cluster")
     conf, munge_socket = write_cluster(tmp, free_port(), free_port())
     key = tmp / "munge" / "munge.key"
     env = dict(os.environ, SLURM_CONF=str(conf))
@@ -343,7 +344,6 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
         if k.startswith("SLURM_") and k != "SLURM_CONF" or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             del env[k]
     env["MOESPEC_TEST_CLUSTER"] = str(tmp)  # marks every process of this cluster for cleanup
-    job_id = None
 
     def start(cmd: list[str], what: str) -> None:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
@@ -370,10 +370,23 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
                             f"slurmctld log: {tail(tmp / 'log' / 'slurmctld.log', 800)} "
                             f"slurmd log: {tail(tmp / 'log' / 'slurmd.log', 800)}")
             time.sleep(1)
+        yield env, tmp
+    finally:
+        stop_pidfile(tmp / "slurmd.pid")
+        stop_pidfile(tmp / "slurmctld.pid")
+        stop_pidfile(tmp / "munge" / "munged.pid")
+        kill_tree_processes(str(tmp))
 
-        port = free_port()
-        log_dir = tmp / "moespec-logs"
+
+@pytest.mark.parametrize("sbatch_file", list(CASES))
+def test_sbatch_serves_a_completion(cluster, sbatch_file):
+    env, tmp = cluster
+    case = CASES[sbatch_file]
+    job_id, port = None, free_port()
+    log_dir = tmp / f"moespec-logs-{sbatch_file}"  # also marks this job's processes for cleanup
+    try:
         job_env = dict(env, MOESPEC_PORT=str(port), MOESPEC_LOG_DIR=str(log_dir), MASTER_PORT=str(free_port()),
+                       MOESPEC_TEST_JOB=str(log_dir),
                        MOESPEC_HOME=str(ROOT), **case.submit_env)
         sub = subprocess.run(["sbatch", "--parsable", f"--output={tmp / 'job-%j.out'}", *case.sbatch_args,
                               str(SLURM_DIR / sbatch_file)],
@@ -430,7 +443,4 @@ def test_sbatch_serves_a_completion(tmp_path, sbatch_file):
                 if not left:
                     break
                 time.sleep(1)
-        stop_pidfile(tmp / "slurmd.pid")
-        stop_pidfile(tmp / "slurmctld.pid")
-        stop_pidfile(tmp / "munge" / "munged.pid")
-        kill_tree_processes(str(tmp))
+        kill_tree_processes(str(log_dir))
