@@ -30,6 +30,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int
+    admitted: bool = False  # the request's first step since it was admitted (or admitted again)
 
     @property
     def end(self) -> int:
@@ -37,8 +38,10 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """The single pending token of a request that already has outputs."""
-        return self.num_tokens == 1 and bool(self.seq.output_ids) and self.completes_prompt
+        """The single pending token of a running request that already has outputs. A request
+        admitted again after a preemption with all but its last token cached runs that token as
+        its prefill: no speculator has seen the position before it."""
+        return self.num_tokens == 1 and bool(self.seq.output_ids) and self.completes_prompt and not self.admitted
 
     @property
     def completes_prompt(self) -> bool:
@@ -202,7 +205,7 @@ class Scheduler:
             computing.update(seq.page_keys[len(cached):])
             if cached:
                 hits.append((seq, spec_tokens))
-            chunks.append(ScheduledChunk(seq, start, num))
+            chunks.append(ScheduledChunk(seq, start, num, admitted=True))
             budget -= num
         return chunks, hits
 

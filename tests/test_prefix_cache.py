@@ -246,3 +246,30 @@ def test_a_shared_system_prompt_is_served_from_the_cache(mode):
     served = sum(min(o.num_cached_tokens, 512) for o in outs[1:]) / (512 * 63)
     assert served >= (496 / 512 if mode == "mtp" else 1.0) >= 0.95
     assert outs[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["mtp2", "draft"])
+def test_a_request_preempted_with_all_but_its_last_token_cached_resumes(deepseek_mtp, llama_pair, mode):
+    """A request preempted after some outputs, whose computed tokens fill whole pages, comes back
+    with every page but its last token cached: that one-token chunk is its prefill, not a decode
+    step to speculate on (the MTP layer has no hidden state for it yet). Greedy output is
+    unchanged."""
+    path, spec = model_for(mode, deepseek_mtp, llama_pair)
+    prompt, params = tokens(9, seed=3), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref, _ = run(path, spec, [prompt], params, caching=False)
+    llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=64, prefix_caching=True)
+    engine = llm.engine
+    seq = engine.add_request(prompt, params)
+    while not (seq.output_ids and (seq.num_tokens - 1) % 4 == 0 and len(seq.output_ids) < 20):
+        engine.step()
+        assert not seq.is_finished
+    engine.scheduler.preempt(seq)
+    engine.speculator.release(seq)
+    scheduled = engine.schedule()  # what the next step runs, seen first
+    assert [(c.start, c.num_tokens) for c in scheduled.chunks] == [(seq.num_tokens - 1, 1)], scheduled.chunks
+    assert not scheduled.is_decode_only
+    engine.scheduler.preempt(seq)  # and put back as it was
+    engine.speculator.release(seq)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_ids == ref[0].token_ids
