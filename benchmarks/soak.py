@@ -74,14 +74,20 @@ class Traffic:
         self.refused: Counter[str] = Counter()
         self.errors: list[str] = []
 
-    def run(self, clients: int, seconds: float) -> None:
+    def run(self, clients: int, seconds: float, pid: int, every_s: float = 10.0) -> list[float]:
+        """Traffic for `seconds`; the server's RSS in MB every `every_s` meanwhile."""
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=self.client, args=(deadline, random.Random(self.rng.random())))
                    for _ in range(clients)]
         for t in threads:
             t.start()
+        timeline = [round(rss_mb(pid), 1)]
+        while time.monotonic() < deadline:
+            time.sleep(min(every_s, max(0.0, deadline - time.monotonic())))
+            timeline.append(round(rss_mb(pid), 1))
         for t in threads:
             t.join()
+        return timeline
 
     def client(self, deadline: float, rng: random.Random) -> None:
         kinds = [(self.completion, 5), (self.chat_stream, 3), (self.cut_stream, 1), (self.refused_request, 1)]
@@ -190,7 +196,7 @@ def soak(name: str, seconds: float, clients: int, seed: int, log_dir: Path) -> d
         httpx.post(f"{url}/v1/completions", json={"prompt": "warm up", "max_tokens": 4}, timeout=60)
         rss_start = rss_mb(server.pid)
         traffic = Traffic(url, model, seed)
-        traffic.run(clients, seconds)
+        timeline = traffic.run(clients, seconds, server.pid)
         metrics = wait_idle(url)
         rss_end = rss_mb(server.pid)
         total_pages = int(next(o.split("=")[1] for o in PRESSURE if o.startswith("cache.num_kv_pages")))
@@ -207,6 +213,7 @@ def soak(name: str, seconds: float, clients: int, seed: int, log_dir: Path) -> d
             "preemptions": metric(metrics, "moespec_preemptions_total"),
             "aborted_sequences": metric(metrics, 'moespec_requests_total\\{finish_reason="abort"\\}'),
             "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1),
+            "rss_mb_every_10s": timeline,
             "kv_pages_free_end": metric(metrics, "moespec_kv_pages_free"), "kv_pages": total_pages,
             "exit_code_after_sigterm": code}
 

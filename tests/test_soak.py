@@ -1,6 +1,11 @@
 """The 10-minute soak (benchmarks/soak.py) as a slow test: mixed traffic on every speculation
 mode under cache pressure, with no error, every KV page free at the end, bounded memory
-growth, and a clean exit after SIGTERM."""
+growth, and a clean exit after SIGTERM.
+
+Memory: the server's RSS rises while the first minute or so of traffic warms it up (allocator
+pools for each batch shape, glibc's per-thread arenas), then levels off (2026-12-03, tiny Llama
+with its draft: 555 MB after the first request, 871 MB at 70 s, 892 MB at 150 s). A leak grows
+on: over the second half of each deployment's run the RSS may grow by 10% at most."""
 import json
 import subprocess
 import sys
@@ -22,5 +27,7 @@ def test_ten_minute_soak(tmp_path):
     for result in report["results"]:
         assert result["requests_served"] > 0 and result["kv_pages_free_end"] == result["kv_pages"], result
         assert result["exit_code_after_sigterm"] == 0, result
-        assert result["rss_mb_end"] < 1.5 * result["rss_mb_start"], result
+        timeline = result["rss_mb_every_10s"]
+        assert result["rss_mb_end"] < 1.1 * timeline[len(timeline) // 2], result
+        assert result["rss_mb_end"] < 2.0 * result["rss_mb_start"], result
     assert sum(r["preemptions"] for r in report["results"]) > 0  # the cache was under pressure
