@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from moespec import LLM, SamplingParams, StructuredOutputs
 from moespec.config import ConfigError, build_config
-from moespec.grammar import llguidance_engine
+from moespec.grammar import llguidance_engine, xgrammar_engine
 from moespec.grammar.xgrammar_engine import XGrammarEngine
 from moespec.sampling import unpack_bitmask
 from moespec.structured import DraftMasks, GrammarError, Grammars
@@ -232,6 +232,27 @@ def test_xgrammar_alone_accepts_what_is_refused(tokenizer, schema, instance):
     engine = XGrammarEngine.for_model(tokenizer, V, [EOS])
     matcher = engine.matcher(engine.compile("json", json.dumps(schema)))
     assert all(matcher.accept_token(t) for t in tokens_of(tokenizer, instance)) and matcher.is_terminated()
+
+
+def test_xgrammar_compiles_the_grammar_it_parses(tokenizer):
+    """One path for every kind: compile() compiles parse()'s grammar, which is what xgrammar's
+    own entry point for that kind compiles; a bad grammar fails both with the same reason."""
+    engine = XGrammarEngine.for_model(tokenizer, V, [EOS])
+    schema = json.dumps(SLICE["data/Github_medium/o74553.json"]["definitions"]["config"])
+    compiler, options = engine.compiler, xgrammar_engine.JSON_OPTIONS
+    direct = {"json": compiler.compile_json_schema(schema, **options),
+              "json_object": compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **options),
+              "regex": compiler.compile_regex("[a-z]+(-[0-9]{2})?"),
+              "grammar": compiler.compile_grammar('root ::= "yes" | "no"')}
+    texts = {"json": schema, "json_object": "", "regex": "[a-z]+(-[0-9]{2})?", "grammar": 'root ::= "yes" | "no"'}
+    for kind, text in texts.items():
+        assert engine.compile(kind, text).serialize_json() == direct[kind].serialize_json(), kind
+    for kind, text in [("regex", "[a-"), ("grammar", "root ::= "), ("json", '{"type": 5}'), ("regex", "\ud800")]:
+        with pytest.raises(xgrammar_engine.CompileError) as parsed:
+            xgrammar_engine.parse(kind, text)
+        with pytest.raises(xgrammar_engine.CompileError) as compiled:
+            engine.compile(kind, text)
+        assert str(parsed.value) == str(compiled.value) and not str(parsed.value).startswith("["), kind
 
 
 # ---------------------------------------------------------------------- llguidance under speculation
