@@ -20,17 +20,22 @@ compiled exactly and served.
 """
 from __future__ import annotations
 
+import re
+import warnings
 from re import _constants as C  # noqa: PLC2701  the parse tree of Python's own re
 from re import _parser as parser  # noqa: PLC2701
 
 REPEATS = (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT)
+UNICODE_CLASS = re.compile(r"(?<!\\)((?:\\\\)*)\\[pP]\{\w+\}")  # \p{L}: one character to re's parser
 
 
 def loose_in_xgrammar(pattern: str) -> str | None:
-    """Why xgrammar would compile `pattern` loosely, or None (also for what re cannot parse:
-    xgrammar then refuses it, or it is not a shape above)."""
+    """Why xgrammar would compile `pattern` loosely, or None. Also None where Python's re cannot
+    parse it (syntax of other dialects besides `\\p{..}`): such a pattern is not checked."""
     try:
-        items = parser.parse(pattern)
+        with warnings.catch_warnings():  # re's FutureWarnings on `[[` and `--` in classes
+            warnings.simplefilter("ignore")
+            items = parser.parse(UNICODE_CLASS.sub(r"\1a", pattern))
     except (parser.error, RecursionError, OverflowError):
         return None
     return loose_items(list(items))
