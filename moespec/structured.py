@@ -351,8 +351,8 @@ def compile_with(engine, backend: str, spec: StructuredOutputs) -> Compiled:
     errors = []
     for name in engine_names(backend, kind):
         try:
-            if name == xgrammar_engine.NAME and schema is not None:
-                keywords.check_xgrammar(schema)
+            if schema is not None:
+                keywords.check(name, schema)
             started = engine(name)
             grammar = started.compile(kind, text)
             return Compiled(name, grammar, started.size(grammar))

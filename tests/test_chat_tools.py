@@ -213,6 +213,25 @@ def test_a_response_format_leaves_the_reasoning_free(reasoning_server):
     assert not free.choices[0].message.model_extra["reasoning_content"].lstrip().startswith("{")
 
 
+def test_reasoning_ends_at_the_first_think_end_through_the_server(reasoning_server):
+    """</think> in the output (its four tokens made likelier by logit_bias, sampled with a seed):
+    reasoning_content is the raw output before the first one, content what follows it, streamed
+    or not. The raw output is /v1/completions' for the same prompt tokens and sampling."""
+    server, client = reasoning_server
+    tokenizer = server.engine.tokenizer
+    bias = {str(t): 8 for t in tokenizer.encode("</think>", add_special_tokens=False)}
+    kwargs = dict(n=8, temperature=1.0, seed=3, max_tokens=20, logit_bias=bias)
+    prompt = post(server, "/tokenize", {"model": "tiny", "messages": MESSAGES}, key="none").json()["tokens"]
+    raw = [c.text for c in client.completions.create(model="tiny", prompt=prompt, **kwargs).choices]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, **kwargs)
+    whole = [(c.message.model_extra["reasoning_content"] or "", c.message.content or "", c.finish_reason)
+             for c in chat.choices]
+    assert [(r, c) for r, c, _ in whole] == [(text.partition("</think>")[0], text.partition("</think>")[2])
+                                             for text in raw]
+    assert any("</think>" in text for text in raw) and any(c for _, c, _ in whole)
+    assert stream_reasoning(client, messages=MESSAGES, **kwargs) == whole
+
+
 @pytest.mark.parametrize("speculation", [None, *SPECULATION])
 def test_a_gated_grammar_constrains_only_after_its_marker(reference, speculation):
     """structured_after: the output up to the token that completes the marker is the free output,

@@ -243,6 +243,8 @@ def test_bad_completion_requests(server, body, status, param):
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, "prompt_logprobs"),  # never ignored
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
 ])
 def test_bad_chat_requests(server, body, param):
     response = post(server, "/v1/chat/completions", body)

@@ -113,6 +113,22 @@ def test_grammars_over_a_bound_are_refused_up_front_naming_it(server, field, con
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": schema_format(
+        {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}})}, "response_format",
+     "keyword 'not' at $.properties.x is not enforced by xgrammar"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object", "properties": {"d": {
+        "type": "string", "pattern": "^[0-9]{2}(\\.[0-9]{1,4})?$"}}}}, "guided_json",
+     "keyword 'pattern' at $.properties.d is not enforced by xgrammar"),
+])
+def test_a_schema_the_engine_would_serve_loosely_gets_400_naming_keyword_and_path(server, path, body, param, message):
+    """Refused where the server compiles (a compile process), before anything is generated."""
+    response = post(server, path, {**body, "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
 def test_schema_depth_bound_of_the_default_config():
     from moespec.config import ServerSection
     from moespec.server.errors import ApiError

@@ -13,15 +13,22 @@ xgrammar 0.2.9, measured on schemas with an instance the grammar should refuse
 numbers, `minLength`/`maxLength` beside `pattern` or `format`, bounds beside `multipleOf`,
 the keywords beside `enum`/`const`, `anyOf` or `$ref`, string/number/array keywords
 in a schema without `type`, and `required` names missing from `properties`; it treats `oneOf`
-as `anyOf` and `allOf` of several schemas as one of them. Those are refused here.
+as `anyOf` and `allOf` of several schemas as one of them; it compiles some `pattern` shapes
+loosely (grammar/patterns.py). Those are refused here.
 llguidance refuses what it does not implement itself (strict mode: "Unimplemented keys",
 "oneOf constraints are not supported", "Unknown format"); `locate` finds the keyword's path.
+
+Both engines let a key repeat in an object whose keys the schema does not all name
+(`{"a": 1, "a": 2}`), and count each repeat toward `minProperties`; a parser keeps one, so
+`minProperties` beyond the `required` names is refused where such keys are allowed.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from urllib.parse import unquote
+
+from moespec.grammar.patterns import loose_in_xgrammar
 
 # every keyword of drafts 4 to 2020-12 that can make an instance invalid
 VALIDATION = frozenset({
@@ -127,11 +134,25 @@ def walk(root: object) -> Iterator[tuple[str, dict]]:
         stack.extend(reversed(list(children(schema, path))))
 
 
-def check_xgrammar(root: object) -> None:
-    """Raises Refusal at the first keyword xgrammar would not enforce exactly."""
+def check(engine: str, root: object) -> None:
+    """Raises Refusal at the first keyword `engine` (xgrammar or llguidance) would not enforce
+    exactly that this module finds; llguidance refuses the rest itself."""
     for path, schema in walk(root):
-        for keyword, why in xgrammar_gaps(root, schema):
-            raise Refusal(keyword, path, "xgrammar", why)
+        gaps = xgrammar_gaps(root, schema) if engine == "xgrammar" else object_gaps(schema, closed=False)
+        for keyword, why in gaps:
+            raise Refusal(keyword, path, engine, why)
+
+
+def object_gaps(schema: dict, closed: bool) -> Iterator[tuple[str, str]]:
+    """minProperties where a key may repeat: keys the schema does not name are allowed (objects
+    without `additionalProperties` are `closed` or not, as the engine makes them) and the
+    `required` names alone do not reach it."""
+    extra = schema.get("additionalProperties", not closed)
+    free = extra is not False or "patternProperties" in schema or "propertyNames" in schema
+    if free and schema.get("unevaluatedProperties") is not False:
+        wanted = schema.get("minProperties", 0)
+        if isinstance(wanted, (int, float)) and wanted > len(set(schema.get("required", ()))):
+            yield "minProperties", "beside keys the schema does not name, which may repeat"
 
 
 def xgrammar_gaps(root: object, schema: dict) -> Iterator[tuple[str, str]]:
@@ -146,6 +167,10 @@ def xgrammar_gaps(root: object, schema: dict) -> Iterator[tuple[str, str]]:
         kind = TYPED.get(keyword)
         if kind and not (types & ({kind, "integer"} if kind == "number" else {kind})):
             yield keyword, "without a 'type' that it applies to"
+    loose = loose_in_xgrammar(schema["pattern"]) if isinstance(schema.get("pattern"), str) else None
+    if loose:
+        yield "pattern", loose
+    yield from object_gaps(schema, closed=True)
     if "format" in schema and schema["format"] not in XGRAMMAR_FORMATS:
         yield "format", f"unknown format {schema['format']!r}"
     if "multipleOf" in schema and (types != {"integer"} or not isinstance(schema["multipleOf"], int)):

@@ -5,6 +5,7 @@ one call (spread over xgrammar's threads). Imported only where a config uses it.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
 
@@ -33,18 +34,30 @@ def engine_message(error: Exception) -> str:
 
 
 def parse(kind: str, text: str):
-    """The grammar, tokenizer-free: checks that it parses (CompileError)."""
+    """The grammar, tokenizer-free: checks that it parses (CompileError). kind: json,
+    json_object, regex or grammar (EBNF). What the compiler compiles (`XGrammarEngine.compile`)."""
     xgr = import_xgrammar()
-    try:
+    if kind == "json_object":
+        kind, text, options = "json", '{"type":"object"}', dict(strict_mode=False, **JSON_OPTIONS)
+    else:
+        options = JSON_OPTIONS
+    with compile_errors():
         if kind == "json":
-            return xgr.Grammar.from_json_schema(text, **JSON_OPTIONS)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
+            return xgr.Grammar.from_json_schema(text, **options)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)
+
+
+@contextmanager
+def compile_errors():
+    """xgrammar's failures as CompileError with its reason."""
+    try:
+        yield
     except RuntimeError as e:
         raise CompileError(engine_message(e)) from None
+    except Exception as e:  # noqa: BLE001  xgrammar's other failures on odd input (UnicodeEncodeError)
+        raise CompileError(f"xgrammar cannot compile it ({type(e).__name__}: {e})") from None
 
 
 class XGrammarEngine:
@@ -74,18 +87,9 @@ class XGrammarEngine:
 
     def compile(self, kind: str, text: str):
         """kind: json, json_object, regex or grammar (EBNF); CompileError with xgrammar's reason."""
-        try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(text, **JSON_OPTIONS)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type":"object"}', strict_mode=False, **JSON_OPTIONS)
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            return self.compiler.compile_grammar(text)
-        except RuntimeError as e:
-            raise CompileError(engine_message(e)) from None
-        except Exception as e:  # noqa: BLE001  xgrammar's other failures on odd input (UnicodeDecodeError)
-            raise CompileError(f"xgrammar cannot compile it ({type(e).__name__}: {e})") from None
+        grammar = parse(kind, text)
+        with compile_errors():
+            return self.compiler.compile_grammar(grammar)
 
     def serialize(self, compiled) -> str:
         return compiled.serialize_json()

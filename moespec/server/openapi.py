@@ -309,6 +309,9 @@ def constrain_requests(components: dict, state) -> None:
     for name in ("functions", "function_call"):  # OpenAI's deprecated tool fields
         components["ChatCompletionRequest"]["properties"][name] = {
             "type": "null", "description": "Deprecated and not supported: use tools and tool_choice."}
+    components["ChatCompletionRequest"]["properties"]["prompt_logprobs"] = {
+        "type": "null", "description": "vLLM's prompt_logprobs is not supported on chat: /v1/completions returns "
+                                       "them (the chat prompt's tokens come from POST /tokenize)."}
     prompt = components["CompletionRequest"]["properties"]["prompt"]
     for text in each_schema(prompt, "string"):
         text["maxLength"] = limits.max_prompt_chars

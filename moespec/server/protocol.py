@@ -318,6 +318,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: list | None = None  # OpenAI's deprecated names for tools and tool_choice: refused
     function_call: str | dict | None = None
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM's; refused here, served by /v1/completions
 
     def constraints(self) -> list[tuple[str, dict]]:
         return [*super().constraints(), ("tool_choice", self.tool_constraint())]
@@ -350,4 +351,7 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs: not supported on /v1/chat/completions; /v1/completions returns "
+                                "them (with the chat prompt from POST /tokenize)", "prompt_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
