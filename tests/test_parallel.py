@@ -136,7 +136,7 @@ def run_variant(rank: int, ctx: ParallelContext, checkpoint: str, microbatch: bo
         if die and rank == ctx.world_size - 1:
             os._exit(3)  # a crashed rank: no goodbye to its peers
         if hang and rank == ctx.world_size - 1:
-            time.sleep(3 * timeout_s)  # a stuck rank: alive, silent
+            time.sleep(2 * timeout_s)  # a stuck rank: alive, silent
         # the fixed-capacity exchange takes at most max_tokens_per_rank (256) tokens per rank: every chunk fits
         halved = []
         out = {chunk: paged_target_and_mtp(model, PROMPTS, chunk, runtime, low_latency=low_latency, halved=halved)
