@@ -231,7 +231,7 @@ class Grammars:
     `load`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int], cache_bytes: int = CACHE_BYTES,
-                 backend: str = "auto") -> None:
+                 backend: str = "xgrammar") -> None:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, sorted(stop_ids)
         self.cache_bytes, self.backend = cache_bytes, backend
         self.words = (vocab_size + 31) // 32  # W
@@ -240,11 +240,6 @@ class Grammars:
         self.compiled_bytes = 0
         self.lock = threading.Lock()  # HTTP worker threads load grammars too
         self.texts: dict[int, str] = {}  # token id -> its text, for gates (TextGate)
-
-    @property
-    def info(self):
-        """xgrammar's view of the vocabulary (its engine started)."""
-        return self.engine(xgrammar_engine.NAME).info
 
     def start(self) -> None:
         """Checks the model can be constrained and starts the engines the backend needs first."""
