@@ -7,8 +7,9 @@ server) on the same weights, driven by the same benchmark client from PyPI (guid
 guidellm lives in its own virtual environment (`python -m venv V && V/bin/pip install
 guidellm==0.8.1`): its dependencies are not moespec's. The SmolLM2-135M-Instruct GGUF is
 dequantized once by transformers and saved as a safetensors directory (transformers serve does
-not load a local GGUF file), so both servers run the same float32 weights; moespec loads the
-GGUF itself. Requests are chat completions with synthetic prompts of --prompt-tokens tokens
+not load a local GGUF file); both servers cast them to --dtype (default bfloat16, what the
+configs serve in), so both run the same weights; moespec loads the GGUF itself. Pin the whole
+run to the cores to use (`taskset -c 0 python ...`): the servers inherit it. Requests are chat completions with synthetic prompts of --prompt-tokens tokens
 (the model's own tokenizer, saved next to the weights), at most --output-tokens tokens out,
 streamed. Not `ignore_eos`: transformers serve refuses the field (422), so answers may end at
 the end of turn, on both servers alike; throughput counts the tokens that came. Every server stays up for the whole run; the levels run in turn, each
@@ -98,10 +99,12 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="serve-vs-transformers-"))
     work.mkdir(parents=True, exist_ok=True)
     weights = export_weights(work / "weights")
-    servers = {"moespec": [sys.executable, "-m", "moespec", "serve", "--config", "configs/smollm2-135m.yaml"],
-               "moespec-mtp": [sys.executable, "-m", "moespec", "serve", "--config", "configs/smollm2-135m-mtp.yaml"],
+    dtype = ["--set", f"model.dtype={args.dtype}"]
+    servers = {"moespec": [sys.executable, "-m", "moespec", "serve", "--config", "configs/smollm2-135m.yaml", *dtype],
+               "moespec-mtp": [sys.executable, "-m", "moespec", "serve", "--config", "configs/smollm2-135m-mtp.yaml",
+                               *dtype],
                "transformers": [str(Path(sys.executable).parent / "transformers"), "serve", "--continuous-batching",
-                                str(weights)]}
+                                "--dtype", args.dtype, str(weights)]}
     servers = {name: servers[name] for name in args.servers.split(",")}
     processes, models, ports = {}, {}, {}
     try:
@@ -133,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     return {**run_info(f"{platform.machine()}, {os.cpu_count()} cores"), "benchmark": "serve_vs_transformers",
             "client": "guidellm " + subprocess.run([args.guidellm, "--version"], capture_output=True,
                                                   text=True).stdout.strip(),
-            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "repeats": args.repeats,
+            "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "repeats": args.repeats,
             "servers": {name: " ".join(command) for name, command in servers.items()}, "table": table, "runs": runs}
 
 
@@ -141,6 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--guidellm", required=True, help="the guidellm executable (its own venv)")
     parser.add_argument("--servers", default="moespec,moespec-mtp,transformers")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="both servers' weights")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)

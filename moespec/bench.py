@@ -29,6 +29,11 @@ With --shared-prefix N every prompt is one shared N-token system prompt followed
 the prefix cache on and off side by side (off: labelled `<mode>/no-cache`), reporting TTFT,
 the share of prompt tokens served from the cache and the accept length of each.
 
+With --chat-prompts FILE the prompts are chats instead (JSON lines with `messages`, such as the
+held-out prompts of `moespec distill`'s data), rendered with the model's chat template as the
+chat endpoint renders them and taken in turn (cycled when fewer than needed; with the prefix
+cache off, a repeat is served afresh); --prompt-len does not apply.
+
 --compile both runs every mode eager and with static steps compiled (model.compile; labelled
 `<mode>/compiled`) side by side; the compiling happens before the measurement (Engine.warm_up,
 every bucket up to the batch size) and its time is reported as compile_s. --cuda-graph both
@@ -80,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive speculation length (off: always draft k)")
     parser.add_argument("--hf-assisted", action="store_true",
                         help="also time transformers' generate and assisted generation at batch 1")
+    parser.add_argument("--chat-prompts", default=None, metavar="FILE",
+                        help="JSON lines of chats ({\"messages\": [...]}) to use as prompts, rendered with the "
+                             "model's chat template, instead of corpus text")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                         help="every prompt starts with the same N tokens (a system prompt)")
     parser.add_argument("--prefix-caching", choices=["config", "on", "off", "both"], default="config",
@@ -136,6 +144,17 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
             break
     stride = max(length, len(ids) // max(count, 1))
     return [ids[i * stride: i * stride + length] for i in range(count)]
+
+
+def chat_prompts(tokenizer, path: str, count: int) -> list[list[int]]:
+    """`count` prompts from the chats in `path` (JSON lines with `messages`), each rendered with
+    the model's chat template and encoded as the chat endpoint encodes it, the chats in turn."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--chat-prompts {path}: no chats")
+    texts = [tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False, add_generation_prompt=True)
+             for line in lines]
+    return [tokenizer.encode(texts[i % len(texts)], add_special_tokens=False) for i in range(count)]
 
 
 def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params: list, chunk: int,
@@ -328,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
     windows = heldout_prompts(tokenizer, count + 2, max(args.prompt_len, args.shared_prefix))
     prompts = [w[:args.prompt_len] for w in windows[:count]]
     warmup = [w[:args.prompt_len] for w in windows[-1:]] * max(sizes)  # never the measured prompts' prefix
+    if args.chat_prompts:
+        prompts = chat_prompts(tokenizer, args.chat_prompts, count)
     if args.shared_prefix:
         prompts = [windows[-2][:args.shared_prefix] + p for p in prompts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
@@ -376,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         for llm in engines.values():
             llm.close()
     report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
-              "config": args.config, "prompt_len": args.prompt_len, "num_prompts": args.num_prompts,
+              "config": args.config, "prompt_len": args.prompt_len, "chat_prompts": args.chat_prompts, "num_prompts": args.num_prompts,
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
               "cuda_graph": args.cuda_graph, "overlap": args.overlap,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,

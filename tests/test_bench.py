@@ -67,3 +67,24 @@ def test_eval_head_reports_engine_acceptance():
     assert 0.2 < report["head_agreement"] <= 1.0
     assert 1.0 < report["engine_accept_length"] <= 2.0
     assert len(report["engine_acceptance_by_position"]) == 1
+
+
+def test_chat_prompts_render_the_chat_template_in_turn(tmp_path):
+    """--chat-prompts: each chat rendered with the model's template, as the chat endpoint renders
+    it, cycled to the count asked for; an empty file is an error that names the flag."""
+    import pytest
+    from moespec.bench import chat_prompts
+    from moespec.models import load_tokenizer
+
+    tokenizer = load_tokenizer("checkpoints/tokenizer")
+    chats = [[{"role": "user", "content": "What is 2 + 2?"}], [{"role": "user", "content": "Name a color."}]]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"kind": "chat", "messages": m}) + "\n" for m in chats))
+    prompts = chat_prompts(tokenizer, str(path), 3)
+    expected = [tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                                 add_special_tokens=False) for m in chats]
+    assert prompts == [expected[0], expected[1], expected[0]] and expected[0] != expected[1]
+    assert tokenizer.decode(prompts[1]).count("Name a color.") == 1
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="--chat-prompts"):
+        chat_prompts(tokenizer, str(tmp_path / "empty.jsonl"), 1)

@@ -133,19 +133,24 @@ def test_chat_endpoint_renders_the_model_chat_template(llm):
 @pytest.mark.parametrize("tree", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["chain", "tree"])
 def test_committed_head_greedy_output_equals_no_speculation(llm, tree):
     """configs/smollm2-135m-mtp.yaml: the committed head drafting 3 tokens (or a tree) over its
-    reduced vocabulary changes nothing in greedy output, and it does get drafts accepted."""
+    reduced vocabulary changes nothing in greedy output, and it does get drafts accepted; against
+    configs/smollm2-135m.yaml, so in the dtype both serve in (bfloat16)."""
     overrides = {"speculation.adaptive": False, "cache.num_kv_pages": 64, "model.max_model_len": 256}
     if tree:
         overrides["speculation.tree"] = {"top_k": 2, "depth": 3, "num_draft_tokens": 6}
     spec = LLM(config=load_config_file("configs/smollm2-135m-mtp.yaml", overrides))
+    plain = LLM(config=load_config_file("configs/smollm2-135m.yaml", {"cache.num_kv_pages": 64,
+                                                                       "model.max_model_len": 256}))
     try:
+        assert spec.engine.model.lm_head.weight.dtype == plain.engine.model.lm_head.weight.dtype == torch.bfloat16
         prompts = chat_prompts(llm.get_tokenizer())
         params = SamplingParams(temperature=0.0, max_tokens=24)
-        plain = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-        assert [out.token_ids for out in spec.generate(prompts, params, use_tqdm=False)] == plain
+        expected = [out.token_ids for out in plain.generate(prompts, params, use_tqdm=False)]
+        assert [out.token_ids for out in spec.generate(prompts, params, use_tqdm=False)] == expected
         assert spec.engine.spec_stats.accept_length > 1.0
     finally:
         spec.close()
+        plain.close()
 
 # ---------------------------------------------------------------- damaged and unsupported files
 
