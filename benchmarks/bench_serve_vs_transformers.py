@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> dict:
     return {**run_info(f"{platform.machine()}, {os.cpu_count()} cores"), "benchmark": "serve_vs_transformers",
             "client": "guidellm " + subprocess.run([args.guidellm, "--version"], capture_output=True,
                                                   text=True).stdout.strip(),
-            "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "repeats": args.repeats,
+            "dtype": args.dtype, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "repeats": args.repeats,
             "servers": {name: " ".join(command) for name, command in servers.items()}, "table": table, "runs": runs}
 
 

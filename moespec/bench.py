@@ -397,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
         for llm in engines.values():
             llm.close()
     report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"),
-              "config": args.config, "prompt_len": args.prompt_len, "chat_prompts": args.chat_prompts, "num_prompts": args.num_prompts,
+              "config": args.config, "prompt_len": args.prompt_len, "chat_prompts": args.chat_prompts,
+              "num_prompts": args.num_prompts,
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
               "cuda_graph": args.cuda_graph, "overlap": args.overlap,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
