@@ -90,7 +90,11 @@ def drive(guidellm: str, port: int, model: str, tokenizer: Path, concurrency: in
                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
                "--output", f"kind=json,path={out}", "--disable-progress", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, timeout=args.timeout)
+    try:
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, timeout=args.timeout)
+    except subprocess.CalledProcessError:  # guidellm's backend check can time out on a server still busy
+        time.sleep(30)
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, timeout=args.timeout)
     metrics = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     return {key: metrics[name]["successful"][stat] for key, (name, stat) in METRICS.items()}
 
