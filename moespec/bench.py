@@ -191,6 +191,7 @@ def policy_report(policy) -> dict:
     exploration steps, predicted and measured tokens/s per choice (a tree by its shape)."""
     label = lambda choice: getattr(choice, "label", str(choice))  # noqa: E731
     return {str(bucket): {"choice": label(state["choice"]), "steps": state["steps"], "explored": state["explored"],
+                          "predicted_batch": state["predicted_batch"],
                           **{source: {label(c): rate for c, rate in state[source].items()}
                              for source in ("predicted", "measured")}}
             for bucket, state in policy.report().items()}

@@ -147,6 +147,10 @@ def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
                  if s.name == "moespec_spec_policy_tokens_per_second" and s.labels["bucket"] == str(bucket)}
         assert {c for c, source in rates if source == "measured"} == {str(c) for c in state["measured"]}
         assert all(rate > 0 for rate in rates.values())
+        batch = [s.value for s in samples
+                 if s.name == "moespec_spec_policy_predicted_batch_size" and s.labels["bucket"] == str(bucket)]
+        assert batch == [state["predicted_batch"]]  # the batch size the predictions are for
+        assert not state["predicted"] or bucket // 2 < state["predicted_batch"] <= bucket
     assert {c for c, source in rates if source == "predicted"} == {"0", "1", "2"}  # the last bucket run
     explored = [s.value for s in samples if s.name == "moespec_spec_policy_explore_steps"]
     assert explored == [llm.engine.policy.explore_total] and explored[0] >= 6  # the first steps: 2 per candidate

@@ -53,6 +53,9 @@ class ServerMetrics:
                                  "Output tokens/s of each choice at a batch-size bucket: as the adaptive policy "
                                  "predicts it and as measured (recent steps that ran it there)",
                                  ["bucket", "choice", "source"], registry=r)
+        self.policy_predicted_batch = Gauge("moespec_spec_policy_predicted_batch_size",
+                                            "The batch size at which a bucket's predicted tokens/s were made (its "
+                                            "last step's)", ["bucket"], registry=r)
         self.policy_explore = Gauge("moespec_spec_policy_explore_steps",
                                     "Steps that ran a speculation choice to measure it rather than because it was "
                                     "predicted fastest", registry=r)
@@ -125,6 +128,7 @@ class ServerMetrics:
             return
         self.policy_explore.set(policy.explore_total)
         for bucket, state in policy.report().items():
+            self.policy_predicted_batch.labels(bucket=str(bucket)).set(state["predicted_batch"])
             for choice in {state["choice"], *state["predicted"], *state["measured"]}:
                 labels = {"bucket": str(bucket), "choice": choice_label(choice)}
                 self.policy_choice.labels(**labels).set(int(choice == state["choice"]))

@@ -284,6 +284,7 @@ class SpeculationPolicy:
         self.first_steps = 0  # steps that measured every candidate before any prediction (once)
         self.leaders: dict[int, Choice] = {}  # bucket -> the choice predicted fastest
         self.predicted: dict[int, dict[Choice, float]] = {}  # bucket -> choice -> tokens/s, at the last step
+        self.predicted_batch: dict[int, int] = {}  # bucket -> the batch size of that step
         self.runs: dict[int, tuple[Choice, int]] = {}  # bucket -> (choice, steps left) of an exploration
 
     def table_k(self, batch_size: int) -> int:
@@ -330,6 +331,7 @@ class SpeculationPolicy:
             return unmeasured[0]
         predictions = {c: self.predict(batch_size, c) for c in choices}
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
+        self.predicted_batch[bucket] = batch_size
         leader = self.leaders[bucket] = self.lead(bucket, predictions)
         probe = self.probe(bucket, leader, predictions)
         return leader if probe is None else self.explore(bucket, probe)
@@ -387,9 +389,13 @@ class SpeculationPolicy:
             self.acceptance.add_verify(k, num_accepted)
 
     def report(self) -> dict[int, dict]:
-        """Per bucket: the leader, predicted and measured tokens/s per choice, steps and exploration."""
+        """Per bucket: the leader, predicted and measured tokens/s per choice, steps and exploration.
+        The predictions are the last step's, at its batch size (`predicted_batch`); the measured
+        rates are means over the bucket's steps, mostly at its larger batch sizes while the batch
+        stays full, so the two compare only where that batch size is near the bucket's top."""
         return {bucket: {"choice": self.leaders.get(bucket, 0), "steps": self.steps.get(bucket, 0),
                          "explored": self.explored.get(bucket, 0),
                          "predicted": dict(self.predicted.get(bucket, {})),
+                         "predicted_batch": self.predicted_batch.get(bucket, 0),
                          "measured": {c: m.rate for (b, c), m in self.measures.items() if b == bucket}}
                 for bucket in sorted(self.steps)}
