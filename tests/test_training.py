@@ -14,7 +14,7 @@ from moespec.models.mtp_head import MTPHeadModel, load_mtp_head, save_mtp_head
 from moespec.training import train_model
 from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
 from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, head_losses,
-                                             precompute_hidden, save_with_builtin_layer, train_head)
+                                             precompute_hidden, save_with_builtin_layer, start_from, train_head)
 from moespec.training.train_model import Trainer, compute_losses, evaluate_windows
 
 MAX_BYTES = 200_000
@@ -244,6 +244,18 @@ def test_unrolled_head_training_adds_draft_steps_fed_their_own_outputs(tmp_path)
     history = train_head(target, head, windows, hidden, HeadTrainSettings(max_steps=12, batch_size=2, warmup_steps=1,
                                                                           unroll=2))
     assert history[-1]["kl_2"] < history[0]["kl_2"] and history[-1]["kl"] < history[0]["kl"]
+
+
+def test_init_from_starts_a_head_from_a_saved_one_keeping_its_draft_vocab(tmp_path):
+    target = load_model("checkpoints/tiny-llama", show_progress=False)
+    saved = build_head("checkpoints/tiny-llama", "rmsnorm", seed=1, draft_vocab=torch.arange(64))
+    save_mtp_head(saved, tmp_path / "head", dtype=torch.float32)
+    head = build_head("checkpoints/tiny-llama", "rmsnorm", seed=0, draft_vocab=torch.arange(100, 164))
+    start_from(head, target, tmp_path / "head")
+    assert torch.equal(head.draft_vocab, torch.arange(100, 164))
+    assert all(torch.equal(t, saved.state_dict()[name]) for name, t in head.state_dict().items() if name != "draft_vocab")
+    with pytest.raises(ValueError, match="layout"):
+        start_from(build_head("checkpoints/tiny-llama", "eagle", seed=0), target, tmp_path / "head")
 
 
 def test_builtin_mtp_finetune_changes_only_the_mtp_layer(trained_deepseek, trained_llama, tmp_path):

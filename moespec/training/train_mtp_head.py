@@ -269,6 +269,14 @@ def build_head(target_dir: Path, architecture: str, seed: int, draft_vocab: torc
     return head
 
 
+def start_from(head: MTPHead, target: nn.Module, head_dir: Path) -> None:
+    """Copy a saved head's layer weights (same layout) into `head`; its draft vocabulary stays its own."""
+    saved = {name: t for name, t in load_mtp_head(target, head_dir).head.state_dict().items() if name != "draft_vocab"}
+    missing, unexpected = head.load_state_dict(saved, strict=False)
+    if unexpected or set(missing) - {"draft_vocab"}:
+        raise ValueError(f"--init-from {head_dir}: not this head's layout (missing {missing}, unexpected {unexpected})")
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -288,6 +296,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train on `moespec distill`'s token streams in this directory instead of the corpus")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="draft over the N most frequent answer tokens (0: the whole vocabulary)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this saved head's weights (same --arch; the draft vocabulary is this run's)")
     parser.add_argument("--minutes", type=float, default=None, help="training time budget")
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -315,6 +325,8 @@ def run(args: argparse.Namespace) -> None:
     draft_vocab = (most_frequent_tokens(args.draft_vocab, windows, target.config.vocab_size, args.data)
                    if args.draft_vocab else None)
     head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed, draft_vocab)
+    if args.init_from and not builtin:
+        start_from(head, target, args.init_from)
     settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
                                  unroll=args.unroll, step_decay=args.step_decay,
                                  max_steps=args.max_steps, minutes=args.minutes, precision=args.precision,
