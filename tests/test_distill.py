@@ -24,13 +24,20 @@ def test_prompts_come_in_four_kinds_from_text_on_this_machine():
     reference = " ".join(" ".join(text.split()) for text in pydoc_data.topics.topics.values())
     for p in prompts:
         if p["kind"] == "chat":
-            assert p["content"].split("package ", 1)[1].split(" for?")[0] in installed
+            assert p["content"].split("package ", 1)[1].split(" ")[0] in installed
         elif p["kind"] == "explanation":
             assert p["content"].split("\n\n", 1)[1] in reference
         elif p["kind"] == "code":
             assert "def " in p["content"] and p["content"].endswith("```")
     held = [i for i in range(len(prompts)) if is_held_out(i)]
     assert len(held) == 8 and {prompts[i]["kind"] for i in held} == set(KINDS)  # a tenth, every kind
+
+
+def test_sources_used_again_come_with_another_question():
+    prompts = build_prompts(2000, seed=0)  # more than there are packages, functions or passages
+    assert len({p["content"] for p in prompts}) == len(prompts)
+    chat = [p["content"] for p in prompts if p["kind"] == "chat"]
+    assert len({c.split("package ", 1)[1].split(" ")[0] for c in chat}) < len(chat)  # packages repeat
 
 
 def test_distilled_data_trains_a_head_over_its_most_frequent_answer_tokens(tmp_path):

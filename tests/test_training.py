@@ -13,8 +13,8 @@ from moespec.models import load_model
 from moespec.models.mtp_head import MTPHeadModel, load_mtp_head, save_mtp_head
 from moespec.training import train_model
 from moespec.training.evaluate import evaluate, mtp_forward, prefill_batch
-from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, precompute_hidden,
-                                             save_with_builtin_layer, train_head)
+from moespec.training.train_mtp_head import (BuiltinMTPLayer, HeadTrainSettings, build_head, head_losses,
+                                             precompute_hidden, save_with_builtin_layer, start_from, train_head)
 from moespec.training.train_model import Trainer, compute_losses, evaluate_windows
 
 MAX_BYTES = 200_000
@@ -212,6 +212,50 @@ def test_head_training_changes_only_the_head(arch, fixture, request, tmp_path):
                                mtp_forward(MTPHeadModel(target, head), windows, hidden.float()), atol=1e-4, rtol=1e-4)
     result = evaluate(target, windows, reloaded, batch_size=2)
     assert 0.0 <= result.head_agreement <= 1.0 and result.head_tokens == 4 * 23
+
+
+def teacher_forced_loss(target, head, rows, hidden, regression_weight):
+    """The one-step loss as train-mtp-head computed it before --unroll."""
+    B, W, M = hidden.shape
+    hidden = hidden.float()
+    embeds = target.embed(rows[:, 1:].reshape(-1))
+    out = head(embeds, hidden[:, :-1].reshape(-1, M), torch.arange(W - 1).repeat(B), train_model.dense_context(B))
+    next_hidden = hidden[:, 1:].reshape(-1, M)
+    target_logp = torch.log_softmax(target.compute_logits(next_hidden).float(), dim=-1)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(target.compute_logits(out).float(), dim=-1), target_logp,
+                                    log_target=True, reduction="batchmean")
+    return kl + regression_weight * torch.nn.functional.smooth_l1_loss(out.float(), next_hidden)
+
+
+def test_unrolled_head_training_adds_draft_steps_fed_their_own_outputs(tmp_path):
+    """--unroll 1 is the teacher-forced loss exactly; --unroll 2 adds a second draft step, fed the
+    head's own first-step outputs, whose loss falls with training."""
+    target = load_model("checkpoints/tiny-llama", show_progress=False).requires_grad_(False)
+    windows = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))  # [N, W]
+    hidden = precompute_hidden(target, windows)
+    head = build_head("checkpoints/tiny-llama", "rmsnorm", seed=0)
+    one, parts = head_losses(target, head, windows, hidden, 0.5)
+    assert one.item() == teacher_forced_loss(target, head, windows, hidden, 0.5).item()
+    assert set(parts) == {"kl", "regression", "agreement"}
+    two, parts = head_losses(target, head, windows, hidden, 0.5, unroll=2, step_decay=0.5)
+    assert {"kl_2", "regression_2", "agreement_2"} <= set(parts)
+    step_two = two.item() - one.item()
+    assert step_two > 0 and step_two == pytest.approx(0.5 * (parts["kl_2"] + 0.5 * parts["regression_2"]), rel=1e-4)
+    history = train_head(target, head, windows, hidden, HeadTrainSettings(max_steps=12, batch_size=2, warmup_steps=1,
+                                                                          unroll=2))
+    assert history[-1]["kl_2"] < history[0]["kl_2"] and history[-1]["kl"] < history[0]["kl"]
+
+
+def test_init_from_starts_a_head_from_a_saved_one_keeping_its_draft_vocab(tmp_path):
+    target = load_model("checkpoints/tiny-llama", show_progress=False)
+    saved = build_head("checkpoints/tiny-llama", "rmsnorm", seed=1, draft_vocab=torch.arange(64))
+    save_mtp_head(saved, tmp_path / "head", dtype=torch.float32)
+    head = build_head("checkpoints/tiny-llama", "rmsnorm", seed=0, draft_vocab=torch.arange(100, 164))
+    start_from(head, target, tmp_path / "head")
+    assert torch.equal(head.draft_vocab, torch.arange(100, 164))
+    assert all(torch.equal(t, saved.state_dict()[name]) for name, t in head.state_dict().items() if name != "draft_vocab")
+    with pytest.raises(ValueError, match="layout"):
+        start_from(build_head("checkpoints/tiny-llama", "eagle", seed=0), target, tmp_path / "head")
 
 
 def test_builtin_mtp_finetune_changes_only_the_mtp_layer(trained_deepseek, trained_llama, tmp_path):

@@ -37,13 +37,24 @@ CODE_MODULES = ("json/encoder.py", "json/decoder.py", "textwrap.py", "string.py"
                 "csv.py", "html/__init__.py", "colorsys.py", "random.py", "base64.py", "glob.py", "posixpath.py",
                 "urllib/parse.py", "email/utils.py", "functools.py", "ipaddress.py", "pprint.py", "gettext.py")
 
+# Questions per kind; a source is asked the next one each time the sources run out.
+CHAT_QUESTIONS = ("What is the Python package {0} for? Its description says: \"{1}\". When would I use it?",
+                  "Explain to a beginner what the Python package {0} does. Its summary reads: \"{1}\".",
+                  "Give an example of a task where the Python package {0} helps. It is described as: \"{1}\".",
+                  "Should I install the Python package {0} for my project? Its description says: \"{1}\".")
+CODE_QUESTIONS = ("What does this Python function do?", "Explain step by step how this Python function works.",
+                  "What are the inputs and the result of this Python function?")
+PASSAGE_QUESTIONS = ("Explain this passage from the Python documentation in plain words:",
+                     "Summarize this passage from the Python documentation and give a short example:")
+
 
 def reference_passages(rng: random.Random) -> list[str]:
-    """Paragraphs of 200-900 characters from the language reference's pydoc topics."""
+    """Distinct paragraphs of 200-900 characters from the language reference's pydoc topics."""
     import pydoc_data.topics
 
     passages = [p.strip() for text in pydoc_data.topics.topics.values() for p in text.split("\n\n")]
     passages = [" ".join(p.split()) for p in passages if 200 <= len(p) <= 900 and p.count("*") < 4]
+    passages = list(dict.fromkeys(passages))  # topics share paragraphs; each once
     rng.shuffle(passages)
     return passages
 
@@ -82,15 +93,20 @@ def build_prompts(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     passages, functions, packages = reference_passages(rng), stdlib_functions(rng), package_summaries(rng)
     makers = {
-        "chat": lambda i: (f"What is the Python package {packages[i % len(packages)][0]} for? Its description says: "
-                           f"\"{packages[i % len(packages)][1]}\". When would I use it?"),
-        "code": lambda i: f"What does this Python function do?\n\n```python\n{functions[i % len(functions)]}\n```",
-        "explanation": lambda i: ("Explain this passage from the Python documentation in plain words:\n\n"
-                                  f"{passages[i % len(passages)]}"),
+        "chat": lambda i: phrasing(CHAT_QUESTIONS, i, packages).format(*packages[i % len(packages)]),
+        "code": lambda i: (f"{phrasing(CODE_QUESTIONS, i, functions)}\n\n"
+                           f"```python\n{functions[i % len(functions)]}\n```"),
+        "explanation": lambda i: f"{phrasing(PASSAGE_QUESTIONS, i, passages)}\n\n{passages[i % len(passages)]}",
         "arithmetic": lambda i: arithmetic_question(rng),
     }
     return [{"kind": KINDS[i % len(KINDS)], "content": makers[KINDS[i % len(KINDS)]](i // len(KINDS))}
             for i in range(count)]
+
+
+def phrasing(questions: tuple[str, ...], i: int, sources: list) -> str:
+    """The question for the i-th prompt of a kind: the first until its sources run out, then the
+    next, so that a source used again comes with another question."""
+    return questions[(i // len(sources)) % len(questions)]
 
 
 def arithmetic_question(rng: random.Random) -> str:

@@ -13,7 +13,9 @@ The target's final hidden states are precomputed once with the inference forward
 over the paged cache) and cached. The head sees, at position i, the embedding of token i+1 and
 the target's hidden at i; its loss is KL(target's next-token distribution ‖ head's) plus
 `--regression-weight` · smooth-L1 to the target's hidden at i+1. The target's embeddings and
-lm_head are shared and stay frozen; only the head's parameters are optimized.
+lm_head are shared and stay frozen; only the head's parameters are optimized. `--unroll K` trains K
+draft steps: steps after the first feed the head its own previous outputs as a draft chain does
+(training-time test; see head_losses).
 
 `--arch builtin` trains the target's own MTP layer (DeepSeek-V3's model.layers.{L}, MoE included)
 the same way, starting from its weights: a layer trained jointly on the text's token i+2 learns to
@@ -66,6 +68,8 @@ class HeadTrainSettings:
     grad_clip: float = 1.0
     batch_size: int = 8
     regression_weight: float = 1.0
+    unroll: int = 1  # draft steps trained per window (1: teacher-forced only)
+    step_decay: float = 0.8  # loss weight of step j is step_decay**(j-1)
     max_steps: int = 100_000
     minutes: float | None = None
     precision: str = "bf16"
@@ -133,16 +137,42 @@ def most_frequent_tokens(count: int, windows: torch.Tensor, vocab_size: int, dat
 
 
 def head_losses(target: nn.Module, head: MTPHead, rows: torch.Tensor, hidden: torch.Tensor,
-                regression_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """rows [B, W], target hidden [B, W, M] -> KL + w·smooth-L1 of the head at positions 0..W-2."""
+                regression_weight: float, unroll: int = 1,
+                step_decay: float = 0.8) -> tuple[torch.Tensor, dict[str, float]]:
+    """rows [B, W], target hidden [B, W, M] -> KL + w·smooth-L1 of the head at positions 0..W-2,
+    and with `unroll` K > 1 of the head fed its own outputs for K-1 further draft steps.
+
+    Step 1 is teacher-forced: at position i the head sees the target's hidden at i and the
+    embedding of token i+1 and is trained towards the target at i+1. Step j > 1 runs the head over
+    the window again with, at position i, its own step j-1 output at i-1 in place of the target's
+    hidden (as a draft chain feeds it) and the same embedding and targets; so step j at i is the
+    j-th draft from position i-j+1. Its loss is weighted step_decay**(j-1). This is a full-window
+    causal approximation of training-time test (EAGLE-3, HASS): at inference a chain step attends
+    to the teacher-forced keys of earlier positions, here to the same step's keys.
+    """
     B, W, M = hidden.shape
     hidden = hidden.float()
     embeds = target.embed(rows[:, 1:].reshape(-1))  # [T, M] frozen embeddings of tokens i+1
-    out = head(embeds, hidden[:, :-1].reshape(-1, M), torch.arange(W - 1).repeat(B), dense_context(B))  # [T, M]
+    inputs = hidden[:, :-1].reshape(-1, M)  # [T, M] step 1: the target's hidden at i
     next_hidden = hidden[:, 1:].reshape(-1, M)  # [T, M] target's hidden at i+1
-    logits = target.compute_logits(out).float()  # [T, V] through the frozen lm_head
     with torch.no_grad():
-        target_logp = F.log_softmax(target.compute_logits(next_hidden).float(), dim=-1)
+        target_logp = F.log_softmax(target.compute_logits(next_hidden).float(), dim=-1)  # [T, V]
+    total, parts = 0.0, {}
+    for j in range(unroll):
+        L = W - 1 - j  # positions j..W-2 have a step j+1 draft
+        keep = torch.arange(j, W - 1).repeat(B) + torch.arange(B).repeat_interleave(L) * (W - 1)  # [B*L] of [T]
+        out = head(embeds[keep], inputs, torch.arange(j, W - 1).repeat(B), dense_context(B))  # [B*L, M]
+        loss, step_parts = step_loss(target, out, next_hidden[keep], target_logp[keep], regression_weight)
+        total = total + step_decay ** j * loss
+        parts.update({(name if j == 0 else f"{name}_{j + 1}"): v for name, v in step_parts.items()})
+        inputs = out.view(B, L, M)[:, :-1].reshape(-1, M)  # output at i feeds position i+1
+    return total, parts
+
+
+def step_loss(target: nn.Module, out: torch.Tensor, next_hidden: torch.Tensor, target_logp: torch.Tensor,
+              regression_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """head output [T, M] against the target's hidden [T, M] and log-probabilities [T, V]."""
+    logits = target.compute_logits(out).float()  # [T, V] through the frozen lm_head
     kl = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="batchmean")
     regression = F.smooth_l1_loss(out.float(), next_hidden)
     agreement = (logits.argmax(-1) == target_logp.argmax(-1)).float().mean()
@@ -173,7 +203,8 @@ def train_head(target: nn.Module, head: MTPHead, windows: torch.Tensor, hidden: 
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * factor
         with autocast():
-            loss, parts = head_losses(target, head, windows[picks], hidden[picks], settings.regression_weight)
+            loss, parts = head_losses(target, head, windows[picks], hidden[picks], settings.regression_weight,
+                                      settings.unroll, settings.step_decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
@@ -238,6 +269,14 @@ def build_head(target_dir: Path, architecture: str, seed: int, draft_vocab: torc
     return head
 
 
+def start_from(head: MTPHead, target: nn.Module, head_dir: Path) -> None:
+    """Copy a saved head's layer weights (same layout) into `head`; its draft vocabulary stays its own."""
+    saved = {name: t for name, t in load_mtp_head(target, head_dir).head.state_dict().items() if name != "draft_vocab"}
+    missing, unexpected = head.load_state_dict(saved, strict=False)
+    if unexpected or set(missing) - {"draft_vocab"}:
+        raise ValueError(f"--init-from {head_dir}: not this head's layout (missing {missing}, unexpected {unexpected})")
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -257,11 +296,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train on `moespec distill`'s token streams in this directory instead of the corpus")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="draft over the N most frequent answer tokens (0: the whole vocabulary)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this saved head's weights (same --arch; the draft vocabulary is this run's)")
     parser.add_argument("--minutes", type=float, default=None, help="training time budget")
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--regression-weight", type=float, default=1.0)
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="draft steps trained per window: step j>1 feeds the head its own step j-1 outputs "
+                             "(training-time test); 1: teacher-forced only")
+    parser.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j is step_decay**(j-1)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -280,7 +325,10 @@ def run(args: argparse.Namespace) -> None:
     draft_vocab = (most_frequent_tokens(args.draft_vocab, windows, target.config.vocab_size, args.data)
                    if args.draft_vocab else None)
     head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed, draft_vocab)
+    if args.init_from and not builtin:
+        start_from(head, target, args.init_from)
     settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
+                                 unroll=args.unroll, step_decay=args.step_decay,
                                  max_steps=args.max_steps, minutes=args.minutes, precision=args.precision,
                                  seed=args.seed)
     history = train_head(target, head, windows, hidden, settings)
