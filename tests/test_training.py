@@ -258,6 +258,19 @@ def test_init_from_starts_a_head_from_a_saved_one_keeping_its_draft_vocab(tmp_pa
         start_from(build_head("checkpoints/tiny-llama", "eagle", seed=0), target, tmp_path / "head")
 
 
+@pytest.mark.parametrize("flags, message", [(["--arch", "builtin", "--init-from", "h"], "--init-from"),
+                                           (["--unroll", "0"], "--unroll"),
+                                           (["--unroll", "15", "--window-len", "16"], "--unroll")])
+def test_train_mtp_head_refuses_flags_that_cannot_apply_before_loading(flags, message, tmp_path):
+    from moespec.training import train_mtp_head
+
+    parser = argparse.ArgumentParser()
+    train_mtp_head.add_arguments(parser)
+    args = parser.parse_args(["--target", str(tmp_path / "absent"), "--out", str(tmp_path / "out"), *flags])
+    with pytest.raises(ValueError, match=message):  # before the (absent) target is read
+        train_mtp_head.run(args)
+
+
 def test_builtin_mtp_finetune_changes_only_the_mtp_layer(trained_deepseek, trained_llama, tmp_path):
     """--arch builtin: the target's own MTP layer (experts and router included) is trained on the
     frozen trunk and saved back into a whole model directory whose trunk tensors are unchanged."""

@@ -315,17 +315,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     seed_everything(args.seed)
+    builtin = args.arch == "builtin"
+    if builtin and (args.draft_vocab or args.init_from):
+        raise ValueError("--draft-vocab and --init-from apply to a trained head, not to --arch builtin")
+    if not 1 <= args.unroll < args.window_len - 1:
+        raise ValueError(f"--unroll must be at least 1 and below --window-len - 1, got {args.unroll}")
     target = load_model(args.target, show_progress=False)
     windows = train_windows(args.train_windows, args.window_len, args.seed + 1, args.tokenizer, args.max_bytes,
                             args.data)
     hidden = cached_hidden(args.target, target, windows)
-    builtin = args.arch == "builtin"
-    if builtin and args.draft_vocab:
-        raise ValueError("--draft-vocab applies to a trained head, not to --arch builtin")
     draft_vocab = (most_frequent_tokens(args.draft_vocab, windows, target.config.vocab_size, args.data)
                    if args.draft_vocab else None)
     head = BuiltinMTPLayer(target) if builtin else build_head(args.target, args.arch, args.seed, draft_vocab)
-    if args.init_from and not builtin:
+    if args.init_from:
         start_from(head, target, args.init_from)
     settings = HeadTrainSettings(lr=args.lr, batch_size=args.batch_size, regression_weight=args.regression_weight,
                                  unroll=args.unroll, step_decay=args.step_decay,
