@@ -78,13 +78,8 @@ def expand_heads(args: argparse.Namespace, work: Path) -> dict[str, str | None]:
             for name, head in heads.items() for size in args.draft_vocabs}
 
 
-def encode_chats(llm, rows: list[dict]) -> list[list[int]]:
-    tokenizer = llm.get_tokenizer()
-    return [llm.engine.encode(tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True))
-            for row in rows]
-
-
 def run(args: argparse.Namespace) -> dict:
+    from moespec.bench import chat_prompts
     from moespec.config import load_config
     from moespec.llm import LLM
 
@@ -101,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
                 overrides["speculation.mtp_head"] = head
             llm = LLM(config=load_config(args.config, overrides))
             try:
-                prompts = encode_chats(llm, rows)
+                prompts = chat_prompts(llm.get_tokenizer(), args.data / "heldout_prompts.jsonl", len(rows))
                 for temperature in args.temperatures:
                     row = {"head": name, "k": k, "temperature": temperature,
                            **measure(llm, prompts, temperature, args.max_tokens)}

@@ -16,6 +16,7 @@ median over repeats and the speedup the median of the per-repeat ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -28,12 +29,6 @@ from moespec.machine import run_info
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "checkpoints" / "smollm2-135m-mtp-head" / "data" / "heldout_prompts.jsonl"
-
-
-def read_prompts(count: int) -> list[list[dict]]:
-    """The first `count` held-out chats of the head's data (their kinds in turn), cycled if fewer."""
-    chats = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return [chats[i % len(chats)] for i in range(count)]
 
 
 def load_transformers(dtype: torch.dtype):
@@ -72,6 +67,7 @@ def time_moespec(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from moespec.bench import chat_prompts
     from moespec.config import load_config
     from moespec.llm import LLM
 
@@ -82,8 +78,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     try:
         for batch in args.batch_sizes:
-            prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"] for chat in read_prompts(batch)]
+            prompts = chat_prompts(tokenizer, PROMPTS, batch)  # the first held-out chats, as the endpoint renders them
             sides = {"transformers": lambda: time_transformers(model, tokenizer, prompts, args.new_tokens),
                      "moespec": lambda: time_moespec(llm, prompts, args.new_tokens)}
             for side in sides.values():  # the same warm-up for both
@@ -103,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         llm.close()
     return {**run_info(f"{platform.machine()}, {args.threads} threads"), "benchmark": "vs_generate",
             "config": args.config, "dtype": args.dtype, "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "transformers": __import__("transformers").__version__, "rows": rows}
+            "transformers": importlib.metadata.version("transformers"), "rows": rows}
 
 
 def main() -> None:
