@@ -227,6 +227,16 @@ def teacher_forced_loss(target, head, rows, hidden, regression_weight):
     return kl + regression_weight * torch.nn.functional.smooth_l1_loss(out.float(), next_hidden)
 
 
+def second_step_kl(target, head, rows, hidden, fed):
+    """KL of a second draft step at positions 1..W-2 given the hidden states `fed` [B, W-2, M] there."""
+    B, W, M = hidden.shape
+    embeds = target.embed(rows[:, 2:].reshape(-1))  # tokens i+1 at positions i = 1..W-2
+    out = head(embeds, fed.reshape(-1, M), torch.arange(1, W - 1).repeat(B), train_model.dense_context(B))
+    target_logp = torch.log_softmax(target.compute_logits(hidden.float()[:, 2:].reshape(-1, M)).float(), dim=-1)
+    return torch.nn.functional.kl_div(torch.log_softmax(target.compute_logits(out).float(), dim=-1), target_logp,
+                                      log_target=True, reduction="batchmean").item()
+
+
 def test_unrolled_head_training_adds_draft_steps_fed_their_own_outputs(tmp_path):
     """--unroll 1 is the teacher-forced loss exactly; --unroll 2 adds a second draft step, fed the
     head's own first-step outputs, whose loss falls with training."""
@@ -241,6 +251,12 @@ def test_unrolled_head_training_adds_draft_steps_fed_their_own_outputs(tmp_path)
     assert {"kl_2", "regression_2", "agreement_2"} <= set(parts)
     step_two = two.item() - one.item()
     assert step_two > 0 and step_two == pytest.approx(0.5 * (parts["kl_2"] + 0.5 * parts["regression_2"]), rel=1e-4)
+    B, W, M = hidden.shape  # step 2 at position i is fed the head's own step-1 output at i-1, not the target's
+    first = head(target.embed(windows[:, 1:].reshape(-1)), hidden.float()[:, :-1].reshape(-1, M),
+                 torch.arange(W - 1).repeat(B), train_model.dense_context(B)).view(B, W - 1, M)
+    own = second_step_kl(target, head, windows, hidden, first[:, :-1])
+    teacher = second_step_kl(target, head, windows, hidden, hidden.float()[:, 1:-1])
+    assert parts["kl_2"] == pytest.approx(own, rel=1e-4) and abs(own - teacher) > 1e-3 * own
     history = train_head(target, head, windows, hidden, HeadTrainSettings(max_steps=12, batch_size=2, warmup_steps=1,
                                                                           unroll=2))
     assert history[-1]["kl_2"] < history[0]["kl_2"] and history[-1]["kl"] < history[0]["kl"]
