@@ -177,19 +177,63 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """int64 in [0, 2^32) -> int32 holding the same 32 bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
+def mix32_words(x: torch.Tensor) -> torch.Tensor:
+    """mix32 elementwise, in place, on an int32 tensor holding 32-bit words: products wrap mod
+    2^32 (as int32 products do on every device) and shifts are made logical by a mask, so the
+    bits are mix32_tensor's with half the memory and a third of the operations."""
+    x ^= (x >> 16).bitwise_and_(0xFFFF)
+    x *= 0x7FEB352D
+    x ^= (x >> 15).bitwise_and_(0x1FFFF)
+    x *= 0x846CA68B - (1 << 32)
+    x ^= (x >> 16).bitwise_and_(0xFFFF)
+    return x
+
+
+def keyed_rows(seed_keys: torch.Tensor, positions: torch.Tensor, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's key and salt [N] int32: a function of (seed key, position, stream)."""
+    row = mix32_tensor(seed_keys ^ mix32_tensor((positions & MASK32) ^ stream))  # [N]
+    return as_words(row), as_words(mix32_tensor(row ^ 0x68E31DA4))
+
+
+def keyed_columns(rows: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """[N, stop - start] float64 in (0, 1): columns start..stop-1 of the rows' keyed uniforms."""
+    row, salt = rows
+    column = torch.arange(start, stop, dtype=torch.int32, device=row.device)
+    bits = mix32_words(row[:, None] ^ column)  # [N, C]
+    bits += salt[:, None]  # wraps mod 2^32
+    bits = mix32_words(bits)
+    return bits.to(torch.int64).bitwise_and_(MASK32).double().add_(0.5).mul_(2.0 ** -32)
+
+
 def keyed_uniforms(seed_keys: torch.Tensor, positions: torch.Tensor, count: int, stream: int) -> torch.Tensor:
     """[N, count] float64 in (0, 1): a pure function of (seed key, position, stream, column)."""
-    row = mix32_tensor(seed_keys ^ mix32_tensor((positions & MASK32) ^ stream))  # [N]
-    salt = mix32_tensor(row ^ 0x68E31DA4)  # [N]
-    column = torch.arange(count, dtype=torch.int64, device=row.device)
-    bits = mix32_tensor((mix32_tensor(row[:, None] ^ column) + salt[:, None]) & MASK32)  # [N, count]
-    return (bits.double() + 0.5) * 2.0 ** -32
+    return keyed_columns(keyed_rows(seed_keys, positions, stream), 0, count)
+
+
+KEYED_BLOCK = 1 << 18  # elements of noise made at a time: a few MB, in cache
 
 
 def keyed_gumbel_max(probs: torch.Tensor, seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The exponential race argmax_v probs[v] / -log(u_v), u keyed per row: an exact draw [N]."""
-    exponentials = -keyed_uniforms(seed_keys, positions, probs.shape[-1], GUMBEL_STREAM).log()  # [N,V]
-    return (probs.double() / exponentials).argmax(-1)
+    """The exponential race argmax_v probs[v] / -log(u_v), u keyed per row: an exact draw [N].
+    Run over blocks of columns, the running maximum kept (the first index on a tie, as argmax)."""
+    rows = keyed_rows(seed_keys, positions, GUMBEL_STREAM)
+    num_rows, vocab = probs.shape
+    width = max(256, KEYED_BLOCK // max(num_rows, 1))
+    best, winner = None, None
+    for start in range(0, vocab, width):
+        stop = min(vocab, start + width)
+        score, index = probs[:, start:stop].double().div_(keyed_columns(rows, start, stop).log_().neg_()).max(-1)  # [N]
+        if best is None:
+            best, winner = score, index
+        else:
+            better = score > best
+            best, winner = torch.where(better, score, best), torch.where(better, index + start, winner)
+    return winner
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,25 @@ def test_keyed_hash_is_the_same_on_tensors_and_ints():
     assert seed_key(-1) != seed_key(2**32 - 1) and 0 <= seed_key(-2**63) <= MASK
 
 
+def test_keyed_noise_is_the_hash_of_seed_position_and_column():
+    """Every keyed uniform is the pure-integer mix32 of (row key, column), salted: the int32 words
+    the tensors compute in give exactly these bits (pinned so seeded outputs never drift)."""
+    from moespec.sampling import GUMBEL_STREAM, keyed_gumbel_max
+    seeds, positions = torch.tensor([seed_key(7), seed_key(2**40 + 3)]), torch.tensor([0, 2**33 + 5])
+    u = keyed_uniforms(seeds, positions, 3000, UNIFORM_STREAM)
+    for r in range(2):
+        row = mix32(int(seeds[r]) ^ mix32((int(positions[r]) & 0xFFFFFFFF) ^ UNIFORM_STREAM))
+        salt = mix32(row ^ 0x68E31DA4)
+        for c in (0, 1, 1234, 2999):
+            bits = mix32((mix32(row ^ c) + salt) & 0xFFFFFFFF)
+            assert u[r, c].item() == (bits + 0.5) * 2.0 ** -32
+    # the Gumbel race runs over blocks of columns: the same token as over the whole row at once
+    probs = torch.softmax(torch.randn(3, 200_000, generator=torch.Generator().manual_seed(0)) * 4, -1)
+    keys, where = torch.tensor([seed_key(s) for s in (1, 2, 3)]), torch.tensor([10, 11, 12])
+    race = probs.double() / -keyed_uniforms(keys, where, probs.shape[1], GUMBEL_STREAM).log()
+    assert torch.equal(keyed_gumbel_max(probs, keys, where), race.argmax(-1))
+
+
 def test_draw_uniform_keys_seeded_rows_by_seed_and_position():
     params = [SamplingParams(seed=3), SamplingParams(), SamplingParams(seed=8), SamplingParams(temperature=0, seed=4)]
     batch = build(params, torch.zeros(4, 4), outputs=[[1] * 5, [], [2] * 9, []], shared=torch.Generator().manual_seed(0))
