@@ -60,6 +60,8 @@ $PY -m moespec bench --config configs/tiny-llama-draft.yaml --modes none,draft:2
     --overlap both --repeats 3 --threads "$THREADS" --out docs/bench/spec-overlap-tiny-llama.json
 # seeded requests (exact match with the target's keyed draw) against rejection sampling
 $PY benchmarks/bench_seeded_acceptance.py --threads "$THREADS" --out docs/bench/seeded-acceptance.json
+# what a seeded row's keyed draw costs per call (rows x vocabulary)
+$PY benchmarks/bench_keyed_noise.py --threads "$THREADS" --out docs/bench/keyed-noise.json
 # structured outputs: a JSON schema's cost per step, constrained against unconstrained
 $PY benchmarks/bench_structured.py --threads "$THREADS" --repeats 9 --out docs/bench/structured.json
 # where a step's time goes
