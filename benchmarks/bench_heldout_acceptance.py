@@ -73,9 +73,9 @@ def expand_heads(args: argparse.Namespace, work: Path) -> dict[str, str | None]:
     heads = dict(item.split("=", 1) for item in args.heads.split(",")) if args.heads else {"config": None}
     if not args.draft_vocabs:
         return heads
-    if heads.get("config", "") is None:  # the config's own head, copied at each size
+    if not args.heads:  # the config's own head, copied at each size
         from moespec.config import load_config
-        heads["config"] = load_config(args.config).speculation.mtp_head
+        heads = {"config": load_config(args.config).speculation.mtp_head}
     return {f"{name}/N={size or 'V'}": with_draft_vocab(head, size, args.data / "answer_counts.npy",
                                                          work / f"{name}-{size}")
             for name, head in heads.items() for size in args.draft_vocabs}

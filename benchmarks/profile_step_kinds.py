@@ -30,7 +30,7 @@ STATS: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0
 LABELS: dict[int, str] = {}  # id(engine) -> its label
 
 
-def step_kind(engine: Engine, prepared, after_plain: bool) -> str:
+def step_kind(prepared, after_plain: bool) -> str:
     if prepared is None:
         return "empty"
     if prepared.num_spec:
@@ -54,7 +54,7 @@ def instrument() -> None:
         outputs = step(self, stop)
         seconds = time.perf_counter() - start
         prepared = last[id(self)]
-        kind = step_kind(self, prepared, after_plain)
+        kind = step_kind(prepared, after_plain)
         kinds = [kind]
         if prepared is not None and kind != "prompt chunks":
             kinds.append(f"  {kind} @ bucket {1 << (len(prepared.scheduled.chunks) - 1).bit_length()}")
