@@ -112,6 +112,9 @@ def parse_bytes(text: str) -> int:
 def device_memory(device: str) -> int:
     """Total memory of `device` (the host's RAM for the CPU)."""
     if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device is {device!r} but this machine has no CUDA device to measure: "
+                              "give one device's memory with --gpu-memory (e.g. 141GB)")
         return torch.cuda.mem_get_info(torch.device(device))[1]
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):

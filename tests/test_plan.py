@@ -99,6 +99,16 @@ def test_plan_cli_json():
     assert tight.returncode == 3 and "does not fit: weights (float8_e4m3fn)" in tight.stdout
 
 
+def test_plan_of_a_cuda_config_without_a_gpu_asks_for_gpu_memory(monkeypatch):
+    """Planning a GPU deployment on a machine without CUDA: a ConfigError naming --gpu-memory,
+    not torch's "not compiled with CUDA" assertion."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(str(DEEPSEEK), {"parallel": {"ep_size": 16}})
+    with pytest.raises(ConfigError, match=r"model.device is 'cuda' .* --gpu-memory"):
+        plan_memory(config)
+
+
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     from tiny_models import save_tiny_deepseek
