@@ -1,13 +1,19 @@
 """One MoE layer's routed experts in the fixed-capacity layout (`LocalExperts.forward_masked`: x
-[L, N, M], the first counts[e] rows of each expert valid) at 5%, 25% and 100% fill, computing the
-valid rows alone (grouped GEMMs that stop at the counts, moespec's path) against every row (the
-batched matmuls it replaced). Calls take turns (fills and paths interleaved, the order alternating
-each repeat); each cost is the median over repeats, and each ratio to 100% fill the median of the
-per-repeat ratios. The cost is the process's CPU time (`time.process_time`), which other
-processes on a shared machine do not inflate; wall time is recorded beside it.
+[L, N, M], the first counts[e] rows of each expert valid) at 5%, 25% and 100% fill, three ways:
+  eager     moespec's CPU path outside static steps: the counts read on the host, each expert
+            over its valid rows alone (`forward_counted_rows`);
+  captured  as inside a captured or compiled step, nothing read on the host: the valid rows
+            gathered in front by a device-side order, grouped GEMMs that stop at the counts
+            (`forward_valid_rows`);
+  every_row the batched matmuls over all L*N rows that both replaced.
+Calls take turns (fills and paths interleaved, the order alternating each repeat); each cost is
+the median over repeats, and each ratio to 100% fill the median of the per-repeat ratios. The
+cost is the process's CPU time (`time.process_time`), which other processes on a shared machine
+do not inflate; wall time is recorded beside it. N defaults to configs/deepseek-v3.yaml's rows
+per expert (G x C = 16 ranks x 384 tokens); L = 2 of its 16 local experts.
 
-  .venv/bin/python benchmarks/bench_masked_experts.py [--experts 2 --rows 512 --hidden 7168 \
-      --intermediate 2048 --threads 1 --repeats 9] [--out docs/bench/masked-experts-deepseek-width.json]
+  .venv/bin/python benchmarks/bench_masked_experts.py [--experts 2 --rows 6144 --hidden 7168 \
+      --intermediate 2048 --threads 1 --repeats 5] [--out docs/bench/masked-experts-deepseek.json]
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from datetime import date
 import torch
 
 from moespec.models.fp8 import quantize_fp8_block
+from moespec.models.layers import CAPTURING
 from moespec.models.moe import LocalExperts
 
 FILLS = (0.05, 0.25, 1.0)
@@ -53,11 +60,21 @@ def spread_counts(fill: float, L: int, N: int) -> torch.Tensor:
     return counts
 
 
+def captured(experts: LocalExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """forward_masked as inside a captured or compiled step (models.layers.fixed_shapes)."""
+    token = CAPTURING.set(True)
+    try:
+        return experts.forward_masked(x, counts)
+    finally:
+        CAPTURING.reset(token)
+
+
 def measure(kind: str, L: int, N: int, M: int, I: int, repeats: int) -> dict:
     experts, dtype = build_experts(kind, L, M, I)
     x = torch.randn(L, N, M, dtype=dtype)
     counts = {fill: spread_counts(fill, L, N) for fill in FILLS}
-    paths = {"valid_rows": lambda c: experts.forward_masked(x, c), "every_row": lambda c: experts.forward_every_row(x)}
+    paths = {"eager": lambda c: experts.forward_masked(x, c), "captured": lambda c: captured(experts, x, c),
+             "every_row": lambda c: experts.forward_every_row(x)}
     calls = [(path, fill) for path in paths for fill in FILLS]
     with torch.inference_mode():
         for path, fill in calls:  # warm-up, and the paths agree on the valid rows
@@ -86,12 +103,12 @@ def measure(kind: str, L: int, N: int, M: int, I: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, default=2, help="L, local experts")
-    parser.add_argument("--rows", type=int, default=512, help="N = G x C rows per expert")
+    parser.add_argument("--rows", type=int, default=6144, help="N = G x C rows per expert")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: per-call costs not blurred by "
                         "thread start-up on a shared machine)")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--out")
     args = parser.parse_args()

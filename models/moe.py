@@ -187,8 +187,10 @@ class LocalExperts(nn.Module):
         reads them). The shapes never depend on the counts, so a captured step holds the call.
         x may be an FP8 dispatch's (e4m3 rows, per-128 scales) pair, dispatched from dtype rows.
         With counts the work follows them: DeepGEMM's masked grouped FP8 GEMM where it is installed
-        (CUDA), which takes an FP8 pair as it arrived; else the rows (dequantized) gathered valid
-        ones first and one grouped GEMM per projection (`forward_valid_rows`; on CUDA in bf16 only,
+        (CUDA), which takes an FP8 pair as it arrived; eager on the CPU, where reading the counts
+        waits for no device, each expert over its valid rows alone (`forward_counted_rows`); else
+        the rows (dequantized) gathered valid ones first and one grouped GEMM per projection
+        (`forward_valid_rows`, no host read: captured and compiled steps; on CUDA in bf16 only,
         grouped_mm's kernel there)."""
         if counts is not None and self.w13_scale_inv is not None:
             out = self.forward_deep_gemm(x, counts)
@@ -198,6 +200,8 @@ class LocalExperts(nn.Module):
             x = dequantize_rows(*x, dtype or torch.bfloat16)  # [L, N, M]
         if counts is None:
             return self.forward_every_row(x)
+        if x.device.type == "cpu" and not fixed_shapes():
+            return self.forward_counted_rows(x, counts)
         if x.device.type == "cpu" or x.dtype == torch.bfloat16:
             return self.forward_valid_rows(x, counts)
         return self.forward_every_row(x)
@@ -210,19 +214,31 @@ class LocalExperts(nn.Module):
         gate, up = torch.bmm(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)  # [L, N, I] each
         return torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [L, N, M]
 
+    def forward_counted_rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [L, N, M], counts [L] on the CPU, read here: each expert over its first counts[e] rows,
+        the rest of the output zero -> [L, N, M]. Nothing else touches the invalid rows, so the cost
+        follows the valid ones (`forward_valid_rows` gathers and scatters all L*N rows)."""
+        L, N, M = x.shape
+        out = x.new_zeros(L, N, M)
+        for e, count in enumerate(counts.clamp(max=N).tolist()):
+            if count:
+                out[e, :count] = self.run_expert(e, x[e, :count])
+        return out
+
     def forward_valid_rows(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [L, N, M], counts [L]: the valid rows gathered in front, expert by expert (an order
         found on the device), both projections over them as grouped GEMMs that stop at the last
-        valid row, and the outputs put back in place -> [L, N, M], invalid rows zero."""
+        valid row, and the outputs put back in place -> [L, N, M], invalid rows zero. The gathered
+        rows' buffer takes the outputs (one fewer buffer of L*N rows to allocate and fault in)."""
         L, N, M = x.shape
-        order, ends, valid = valid_rows_first(counts, N)  # [L*N], [L], [L*N]
+        order, ends, valid = valid_rows_first(counts, N)  # [L*N] each, [L]
         rows = x.reshape(L * N, M).index_select(0, order)  # [L*N, M]
         gate_up = grouped_rows_linear(rows, ends, self.w13, self.w13_scale_inv)  # [L*N, 2I]
         I = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :I], inplace=True).mul_(gate_up[:, I:])  # [L*N, I], in place: fewer passes
         y = grouped_rows_linear(act, ends, self.w2, self.w2_scale_inv)  # [L*N, M]
-        y.masked_fill_(~valid[:, None], 0)  # rows past the last valid one were not computed
-        return torch.empty_like(y).index_copy_(0, order, y).view(L, N, M)
+        out = rows.index_copy_(0, order, y)  # [L*N, M]; rows past the last valid one were not computed
+        return out.masked_fill_(~valid[:, None], 0).view(L, N, M)
 
     def forward_deep_gemm(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                           counts: torch.Tensor) -> torch.Tensor | None:
@@ -242,13 +258,13 @@ class LocalExperts(nn.Module):
 def valid_rows_first(counts: torch.Tensor, rows_per_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """counts [L] valid rows at the front of each expert's block of rows_per_expert (N) -> (order
     [L*N]: the flat rows, valid ones first in expert order, then the rest; ends [L] int32: the
-    row after each expert's last in that order; valid [L*N]: whether the row at each place is
+    row after each expert's last in that order; valid [L*N]: whether each row of the layout is
     one), all on the counts' device, computed without reading them on the host."""
     counts = counts.clamp(max=rows_per_expert)
     slot = torch.arange(rows_per_expert, device=counts.device)  # [N]
     valid = (slot[None, :] < counts[:, None]).flatten()  # [L*N]
     order = torch.argsort((~valid).to(torch.uint8), stable=True)  # [L*N]
-    return order, counts.cumsum(0).to(torch.int32), valid[order]
+    return order, counts.cumsum(0).to(torch.int32), valid
 
 
 def grouped_linear(x: torch.Tensor, counts: list[int], weight: torch.Tensor, scale_inv: torch.Tensor | None = None,
