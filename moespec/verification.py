@@ -122,8 +122,8 @@ class SpeculativeSteps:
         self.stats.tokens += sum(num_accepted) + len(seqs)
         self.policy.accept(choice, num_accepted)
         # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
-        if steady or not self.ran_plain:
-            self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed)
+        self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed,
+                           measures=steady or not self.ran_plain)
         self.ran_plain = False
 
     def grow(self, prepared: PreparedStep) -> Verified:

@@ -27,8 +27,10 @@ Each prediction has a standard error (the fit's, and the acceptance counts'). A 
 than the leader runs only where its optimistic rate (2 standard errors up) beats the leader's,
 `explore_steps` steps in a row (a switch from plain decoding starts with a catch-up step,
 which is not recorded), and only while exploration stays within `explore_share` (2%) of the
-bucket's steps, so at a batch size where plain decoding is predicted to win, speculating to
-find out costs at most that. Before any prediction exists, each candidate runs `min_samples`
+bucket's steps and of its time, so at a batch size where plain decoding is predicted to win,
+speculating to find out costs at most that (a run starts only while the budget holds; the run
+itself may overdraw it once). The time counts the catch-up step: after a stretch of plain
+decoding the draft runs over every position it skipped, at batch 64 several plain steps' worth. Before any prediction exists, each candidate runs `min_samples`
 steps once (the first bucket the engine meets; others are predicted from it), and plain
 decoding runs `min_samples` steps at every bucket it meets.
 
@@ -37,10 +39,10 @@ over as soon as it is predicted at least as fast: within the margin the choices 
 far as noisy step times can tell, and plain decoding has no catch-up steps and no tail of
 requests finishing at different steps, which the step times miss.
 
-What the engine feeds in: `record` per measured step (batch size, the choice that ran, tokens
-per request, seconds; a speculative step that first caught up on plain decode steps measures
-switching, not speculating, and is left out), and `accept` per verify step (each request's
-accepted drafts). Across ranks each rank's policy chooses from its own measurements and the
+What the engine feeds in: `record` per decode or speculative step (batch size, the choice that
+ran, tokens per request, seconds, and whether it measures the choice: a speculative step that
+first caught up on plain decode steps measures switching, not speculating, and only counts
+towards the time), and `accept` per verify step (each request's accepted drafts). Across ranks each rank's policy chooses from its own measurements and the
 step agreement runs the shortest length any rank asks for (`moespec.distributed.decide`).
 
 Draft trees (`speculation.tree`) join the lengths as further choices. A fixed tree without
@@ -286,6 +288,8 @@ class SpeculationPolicy:
         self.predicted: dict[int, dict[Choice, float]] = {}  # bucket -> choice -> tokens/s, at the last step
         self.predicted_batch: dict[int, int] = {}  # bucket -> the batch size of that step
         self.runs: dict[int, tuple[Choice, int]] = {}  # bucket -> (choice, steps left) of an exploration
+        self.seconds: dict[int, float] = {}  # bucket -> wall time of its steps
+        self.explored_seconds: dict[int, float] = {}  # bucket -> ... of them running a choice not the leader
 
     def table_k(self, batch_size: int) -> int:
         k = self.max_tokens
@@ -368,6 +372,8 @@ class SpeculationPolicy:
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
+        if self.explored_seconds.get(bucket, 0.0) > self.explore_share * self.seconds.get(bucket, 0.0):
+            return None
         best = predictions[leader].rate
         hopeful = [c for c, p in predictions.items() if c != leader and p.optimistic > best]
         choice = max(hopeful, key=lambda c: predictions[c].optimistic, default=None)
@@ -375,13 +381,23 @@ class SpeculationPolicy:
             self.runs[bucket] = (choice, self.explore_steps - 1)
         return choice
 
-    def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float) -> None:
+    def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
+               measures: bool = True) -> None:
+        """A step that ran choice k: its time counts for the bucket's exploration budget (as
+        exploration where k is not the bucket's leader); where it `measures` k, it feeds the
+        step costs, the acceptance and the measured rates too."""
         if not self.adaptive:
+            return
+        bucket = self.bucket(batch_size)
+        self.seconds[bucket] = self.seconds.get(bucket, 0.0) + seconds
+        if self.leaders.get(bucket, k) != k:
+            self.explored_seconds[bucket] = self.explored_seconds.get(bucket, 0.0) + seconds
+        if not measures:
             return
         self.costs.add(batch_size, k, seconds)
         if k != 0:
             self.acceptance.add_step(k, tokens_per_request, batch_size)
-        self.measures.setdefault((self.bucket(batch_size), k), Measure()).add(tokens_per_request * batch_size, seconds)
+        self.measures.setdefault((bucket, k), Measure()).add(tokens_per_request * batch_size, seconds)
 
     def accept(self, k: Choice, num_accepted: list[int]) -> None:
         """A chain's verify step: each request's accepted drafts (trees are measured by `record`)."""
@@ -394,7 +410,8 @@ class SpeculationPolicy:
         rates are means over the bucket's steps, mostly at its larger batch sizes while the batch
         stays full, so the two compare only where that batch size is near the bucket's top."""
         return {bucket: {"choice": self.leaders.get(bucket, 0), "steps": self.steps.get(bucket, 0),
-                         "explored": self.explored.get(bucket, 0),
+                         "explored": self.explored.get(bucket, 0), "seconds": self.seconds.get(bucket, 0.0),
+                         "explored_seconds": self.explored_seconds.get(bucket, 0.0),
                          "predicted": dict(self.predicted.get(bucket, {})),
                          "predicted_batch": self.predicted_batch.get(bucket, 0),
                          "measured": {c: m.rate for (b, c), m in self.measures.items() if b == bucket}}
