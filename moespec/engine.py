@@ -82,6 +82,19 @@ def resolve_eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def policy_for(spec, trees: tuple) -> SpeculationPolicy:
+    """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin)."""
+    return SpeculationPolicy(spec.num_speculative_tokens, spec.schedule, spec.adaptive, margin=spec.adaptive_margin,
+                             trees=trees)
+
+
+def rooms_left(chunks: list, lengths: list[int], max_model_len: int) -> list[int]:
+    """Tokens each request of a decode step may still emit (its max_tokens, the model's length),
+    at least 1; `lengths`: its tokens, counting those a step in flight may still add."""
+    return [max(1, min(max_model_len - n, (c.seq.params.max_tokens or max_model_len) - (n - len(c.seq.prompt_ids))))
+            for c, n in zip(chunks, lengths)]
+
+
 class Engine:
     """Owns the model, its runner and KV pages, the scheduler, the speculator and its policy, the
     sampler and the ranks' lockstep; runs a plain step's phases itself and hands the rest to its
@@ -116,9 +129,7 @@ class Engine:
         self.last_step = time.monotonic()
         if ranks is not None:
             self.attach_ranks(ranks)
-        self.policy = SpeculationPolicy(c.speculation.num_speculative_tokens, c.speculation.schedule,
-                                        c.speculation.adaptive, margin=c.speculation.adaptive_margin,
-                                        trees=self.speculator.trees)
+        self.policy = policy_for(c.speculation, self.speculator.trees)
         self.next_tree: TreeShape | None = None  # the tree the policy chose for the step being scheduled
         self.sampler = Sampler()
         # data-parallel ranks draw independent streams; replicated ranks must draw the same ones
@@ -363,7 +374,8 @@ class Engine:
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
             lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
-            k_wish = self.fit_choice(self.policy.choose(len(chunks)), lengths)
+            choice = self.policy.choose(len(chunks), rooms_left(chunks, lengths, self.max_model_len))
+            k_wish = self.fit_choice(choice, lengths)
             room = min(self.max_model_len - n for n in lengths) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
         flush = synced_mtp and bool(chunks) and spec.needs_flush(chunks)

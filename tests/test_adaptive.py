@@ -138,6 +138,25 @@ def test_predicts_a_length_never_run_from_per_position_acceptance():
     assert policy.acceptance.tokens(1)[0] == pytest.approx(1 + HIGH[0], abs=0.05)
 
 
+def test_a_chain_keeps_no_more_tokens_than_its_requests_may_still_emit():
+    """Drafts past a request's last token (max_tokens) are thrown away: the chain's predicted
+    tokens cut each request's positions at its room, and with every request one token from its
+    end plain decoding leads where k=3 led, and k=3 leads again once they have room."""
+    policy = SpeculationPolicy(3)
+    Simulated(policy).run(1, 300)
+    assert policy.leaders[1] == 3
+    full = policy.acceptance.tokens(3)[0]
+    assert full == pytest.approx(1 + sum(HIGH), abs=0.1) and policy.acceptance.tokens(3, [100])[0] == full
+    assert policy.acceptance.tokens(3, [1])[0] == 1.0
+    two = policy.acceptance.tokens(3, [2])[0]
+    assert two == pytest.approx(1 + HIGH[0], abs=0.05)
+    assert policy.acceptance.tokens(3, [2, 100])[0] == pytest.approx((two + full) / 2)
+    policy.choose(1, rooms=[1])
+    assert policy.leaders[1] == 0
+    policy.choose(1, rooms=[50])
+    assert policy.leaders[1] == 3
+
+
 def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
     """/metrics' policy gauges, read back with prometheus_client's own parser, from an engine
     that ran adaptive MTP: one choice per bucket, the policy's leader, with predicted and

@@ -19,7 +19,9 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
 - E_c, tokens per request per step: 1 for plain decoding; for a chain of k, 1 + sum over
   positions i <= k of P(a >= i), a the drafts a request's verify accepted, counted per position
   from recent verify steps whatever length ran (`Acceptance`), so a length never run is
-  predicted from the others; a tree's own recent mean. Counts decay per policy step, so the
+  predicted from the others, averaged over the step's requests with each one's positions cut
+  at the tokens it may still emit (a request 2 tokens from max_tokens keeps at most 2, whatever
+  it drafts); a tree's own recent mean. Counts decay per policy step, so the
   estimate follows a workload whose acceptance shifts, and while plain decoding runs the
   uncertainty of a speculative choice grows until it is worth measuring again.
 
@@ -50,6 +52,7 @@ Draft trees (`speculation.tree`) join the lengths as further choices. A fixed tr
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -248,21 +251,29 @@ class Acceptance:
     def add_step(self, choice: Choice, tokens: float, requests: int) -> None:
         self.steps.setdefault(choice, Mean()).add(tokens * requests, tokens ** 2 * requests, requests)
 
-    def tokens(self, choice: Choice) -> tuple[float, float] | None:
-        """Mean tokens per request per step and its standard error; None without data."""
+    def tokens(self, choice: Choice, rooms: list[int] | None = None) -> tuple[float, float] | None:
+        """Mean tokens per request per step and its standard error; None without data. `rooms`:
+        the tokens each request may still emit (a chain's estimate keeps no more)."""
         if choice == 0:
             return 1.0, 0.0
         if isinstance(choice, int) and len(self.positions) >= choice:
-            return self.chain_tokens(choice)
+            return self.chain_tokens(choice, rooms)
         mean = self.steps.get(choice)
         if mean is None:
             return None
         return mean.mean, mean.error(0.25)  # a request's tokens vary by at least half a token
 
-    def chain_tokens(self, k: int) -> tuple[float, float]:
-        """1 + sum_i P(a > i); errors summed (the positions' estimates share their requests)."""
+    def chain_tokens(self, k: int, rooms: list[int] | None = None) -> tuple[float, float]:
+        """1 + sum_i P(a > i); errors summed (the positions' estimates share their requests).
+        With `rooms`, the mean over requests of what a step keeps: a request r tokens from its
+        end (max_tokens, the model's length) keeps at most r, so its drafts past r - 1 add
+        nothing (near the end of requests a long chain drafts tokens that are thrown away)."""
         positions = self.positions[:k]
-        return 1 + sum(p.mean for p in positions), sum(p.error(0.05) for p in positions)
+        error = sum(p.error(0.05) for p in positions)
+        sums = list(itertools.accumulate((p.mean for p in positions), initial=0.0))  # [k + 1]
+        if not rooms:
+            return 1 + sums[k], error
+        return sum(1 + sums[max(0, min(k, r - 1))] for r in rooms) / len(rooms), error
 
     def by_position(self) -> list[float]:
         return [p.mean for p in self.positions]
@@ -313,7 +324,9 @@ class SpeculationPolicy:
         """Steps that ran a choice to measure it rather than because it was predicted fastest."""
         return self.first_steps + sum(self.explored.values())
 
-    def choose(self, batch_size: int) -> Choice:
+    def choose(self, batch_size: int, rooms: list[int] | None = None) -> Choice:
+        """The choice for a decode step of batch_size requests; `rooms`: the tokens each may
+        still emit, where known."""
         k = self.table_k(batch_size)
         if k == 0:
             return 0
@@ -321,11 +334,11 @@ class SpeculationPolicy:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        choice = self.decide(bucket, batch_size, k)
+        choice = self.decide(bucket, batch_size, k, rooms)
         self.acceptance.tick(choice != 0)
         return choice
 
-    def decide(self, bucket: int, batch_size: int, k: int) -> Choice:
+    def decide(self, bucket: int, batch_size: int, k: int, rooms: list[int] | None = None) -> Choice:
         choices = self.candidates(k)
         unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
         if not unmeasured and self.costs.count_at(0, batch_size) < self.min_samples:
@@ -333,7 +346,7 @@ class SpeculationPolicy:
         if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
             self.first_steps += 1
             return unmeasured[0]
-        predictions = {c: self.predict(batch_size, c) for c in choices}
+        predictions = {c: self.predict(batch_size, c, rooms) for c in choices}
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
         self.predicted_batch[bucket] = batch_size
         leader = self.leaders[bucket] = self.lead(bucket, predictions)
@@ -344,9 +357,9 @@ class SpeculationPolicy:
         self.explored[bucket] = self.explored.get(bucket, 0) + 1
         return choice
 
-    def predict(self, batch_size: int, choice: Choice) -> Prediction:
+    def predict(self, batch_size: int, choice: Choice, rooms: list[int] | None = None) -> Prediction:
         seconds, seconds_error = self.costs.predict(batch_size, choice)
-        tokens = self.acceptance.tokens(choice) or (1.0, 1.0)  # a choice without counts: anything from 1 token
+        tokens = self.acceptance.tokens(choice, rooms) or (1.0, 1.0)  # a choice without counts: anything from 1 token
         error = math.hypot(seconds_error / seconds, tokens[1] / tokens[0])
         return Prediction(batch_size * tokens[0] / seconds, error)
 
