@@ -108,22 +108,22 @@ class SpeculativeSteps:
              lengths: list[int], drafted: int, choice: int | TreeShape, steady: bool, start: float) -> None:
         """Host side of a speculative step: per request its a accepted drafts and the target's
         token (tokens and logprobs in rows of len(tokens[b])), then the step's measurements."""
-        seqs = prepared.sampled
+        seqs, kept = prepared.sampled, 0
         for b, (seq, a, m) in enumerate(zip(seqs, num_accepted, lengths)):
             seq.num_computed = m + a  # KV now holds the last token and the a accepted drafts
             seq.metrics.num_draft_tokens += drafted
             seq.metrics.num_accepted_tokens += a
             seq.metrics.num_spec_steps += 1
-            width = len(tokens[b])
+            width, before = len(tokens[b]), seq.metrics.num_generated_tokens
             self.requests.append_tokens(seq, tokens[b][: a + 1], logprobs[b * width: b * width + a + 1])
+            kept += seq.metrics.num_generated_tokens - before  # fewer than a + 1 where the request ended
         self.requests.publish(seqs)
         elapsed = time.perf_counter() - start + prepared.host_s
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
         self.policy.accept(choice, num_accepted)
         # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
-        self.policy.record(len(seqs), choice, (sum(num_accepted) + len(seqs)) / len(seqs), elapsed,
-                           measures=steady or not self.ran_plain)
+        self.policy.record(len(seqs), choice, kept / len(seqs), elapsed, measures=steady or not self.ran_plain)
         self.ran_plain = False
 
     def grow(self, prepared: PreparedStep) -> Verified:

@@ -396,9 +396,10 @@ class SpeculationPolicy:
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
                measures: bool = True) -> None:
-        """A step that ran choice k: its time counts for the bucket's exploration budget (as
-        exploration where k is not the bucket's leader); where it `measures` k, it feeds the
-        step costs, the acceptance and the measured rates too."""
+        """A step that ran choice k and kept `tokens_per_request` (drafts past a request's end are
+        not kept): its time counts for the bucket's exploration budget (as exploration where k
+        is not the bucket's leader); where it `measures` k, it feeds the step costs, the
+        acceptance and the measured rates too."""
         if not self.adaptive:
             return
         bucket = self.bucket(batch_size)
