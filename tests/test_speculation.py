@@ -252,8 +252,9 @@ def test_policy_picks_the_fastest_draft_length_or_plain_decoding():
 @pytest.mark.parametrize("mode", ["mtp", "draft"])
 def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_pair, mode):
     """A speculative step that first catches the draft up on tokens of plain decode steps
-    measures what switching costs, so the adaptive policy does not record it; the catch-up on a
-    new request's prompt recurs with every request and is recorded."""
+    measures what switching costs, so the adaptive policy counts its time but does not measure
+    the choice with it; the catch-up on a new request's prompt recurs with every request and
+    measures it."""
     path = deepseek_mtp if mode == "mtp" else llama_pair[0]
     spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": True}
     if mode == "draft":
@@ -268,10 +269,10 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
         return proposal
 
     engine.speculator.propose = watch_propose
-    engine.policy.record = lambda batch, k, tokens, seconds: (events.append(("record", k)),
-                                                              record(batch, k, tokens, seconds))
+    engine.policy.record = lambda batch, k, tokens, seconds, measures=True: (
+        events.append(("record", k) if measures else ("time only", k)), record(batch, k, tokens, seconds, measures))
     lengths = iter([2, 2, 0, 0, 2, 2, 2] + [1] * 30)  # the policy's choices, scripted
-    engine.policy.choose = lambda batch_size: next(lengths)
+    engine.policy.choose = lambda batch_size, rooms=None: next(lengths)
     llm.generate(prompts([20]), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     after_plain, kinds = False, []
     for i, (event, value) in enumerate(events):
@@ -280,6 +281,7 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
         elif event == "propose":
             recorded = i + 1 < len(events) and events[i + 1][0] == "record" and events[i + 1][1] > 0
             assert recorded == (value or not after_plain), (i, events)
+            assert recorded or events[i + 1] == ("time only", events[i + 1][1]), (i, events)
             kinds.append("steady" if value else "after plain" if after_plain else "after prefill")
             after_plain = False
     assert kinds[0] == "after prefill" and "after plain" in kinds and "steady" in kinds, kinds
@@ -365,7 +367,7 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     assert spec.hold_limit == limit and spec.max_pending_tokens == max_num_seqs * limit
     assert spec.state_bytes() == max_num_seqs * limit * engine.model.config.hidden_size * 4  # float32 tiny model
     lengths = itertools.cycle([2, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 2, 2, 0, 0, 1])  # the policy's choices, scripted
-    engine.policy.choose = lambda batch_size: next(lengths)
+    engine.policy.choose = lambda batch_size, rooms=None: next(lengths)
     flushed, propose, flush = [], spec.propose, spec.flush
     spec.flush = lambda seqs: (flushed.append(len(seqs)), flush(seqs))[1]
     after_plain = []
