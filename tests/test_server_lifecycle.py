@@ -216,9 +216,35 @@ def wait_exit(process, timeout: float) -> int | None:
         return None
 
 
+def children_of(pid: int) -> set[int]:
+    """The live processes whose parent is pid (from /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry.name))
+    return found
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    """Those of pids still running after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {pid for pid in pids if Path(f"/proc/{pid}").exists()
+                 and not (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z")}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 def test_stuck_rank0_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_path, checkpoint):
     """Rank 0's step hangs: it exits 70 with the phase in its message, and rank 1, waiting in the
-    step's collectives, exits too instead of hanging."""
+    step's collectives, exits too instead of hanging. The servers' helper processes (body
+    parsing) go with them."""
     port, master_port = free_port(), free_port()
     config = write_config(tmp_path, checkpoint, server={"step_timeout_s": 1.5},
                           parallel={"ep_size": 2, "timeout_s": 60})
@@ -229,14 +255,31 @@ def test_stuck_rank0_exits_naming_its_phase_and_takes_its_peer_rank_down(tmp_pat
                         "MASTER_PORT": str(master_port)}
             processes.append(start_serve(tmp_path, config, port, {"MOESPEC_TEST_HANG": "1"}, rank_env))
         wait_healthy(f"http://127.0.0.1:{port}", [p for p, _ in processes], logs=[log for _, log in processes])
+        helpers = children_of(processes[0][0].pid)
         send_in_background(f"http://127.0.0.1:{port}", {"prompt": "x", "max_tokens": 2})
         codes = [wait_exit(p, timeout=40) for p, _ in processes]
     finally:
         kill_all([p for p, _ in processes])
     logs = [Path(log).read_text()[-3000:] for _, log in processes]
     assert codes[0] == 70, logs[0]
+    assert helpers and not wait_gone(helpers, 5)  # not orphaned by the exit
     assert "moespec: fatal: engine step stuck in phase 'target forward (prefill)'" in logs[0]
     assert codes[1] not in (None, 0), logs[1]  # rank 1 saw rank 0 go and exited, not hung
+
+
+def test_a_killed_server_leaves_no_helper_process(tmp_path, checkpoint):
+    """kill -9 of the server: its body-parsing process notices its parent is gone and exits
+    instead of living on orphaned."""
+    port = free_port()
+    process, log = start_serve(tmp_path, write_config(tmp_path, checkpoint), port, {})
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [process], logs=[log])
+        helpers = children_of(process.pid)
+        process.kill()
+        process.wait()
+    finally:
+        kill_all([process])
+    assert helpers and not wait_gone(helpers, 5), Path(log).read_text()[-3000:]
 
 
 def stream_until_done(url: str, body: dict, first_chunk: threading.Event, result: dict) -> None:

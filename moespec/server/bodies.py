@@ -15,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import re
+import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 
 from pydantic import ValidationError
@@ -25,6 +28,7 @@ from moespec.server.limits import RequestLimits
 from moespec.server.protocol import FIELD_RULES, SamplingRequest
 
 SMALL_BODY_BYTES = 64 << 10
+PARENT_POLL_S = 0.5  # how often the body-parsing process looks whether the server is still there
 MAX_INT_DIGITS = 4300  # sys.get_int_max_str_digits(): json.loads refuses longer integers
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # lone surrogates reach a str only as \u escapes
 UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "constrained-str"}
@@ -137,6 +141,17 @@ def is_ready() -> bool:
     return True
 
 
+def exit_with_parent(parent: int) -> None:
+    """In the body-parsing process: end it once the server process is gone (its queue's pipe
+    never closes here, so nothing else tells it), rather than live on orphaned after a kill -9
+    or an exit that could not stop it."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="moespec-parent-watch").start()
+
+
 class BodyParser:
     """Parses bodies over SMALL_BODY_BYTES in one separate process (spawned, started at once
     so that the first large body does not wait for its imports)."""
@@ -146,7 +161,8 @@ class BodyParser:
         self.warm: Future | None = None
 
     def start(self) -> None:
-        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=exit_with_parent, initargs=(os.getpid(),))
         self.warm = self.pool.submit(is_ready)  # imports this module there; large bodies queue behind it
 
     def wait_ready(self, timeout: float) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import multiprocessing
 import os
 import queue
 import sys
@@ -54,7 +55,15 @@ def exit_process(message: str) -> None:
     (a stuck step cannot be interrupted; peers see the lost connection, or their launcher
     ends them)."""
     print(f"moespec: fatal: {message}; exiting", file=sys.stderr, flush=True)
+    kill_children()
     os._exit(STALL_EXIT_CODE)
+
+
+def kill_children() -> None:
+    """Before an exit that skips cleanup (os._exit): kill this process's helper processes (body
+    parsing, grammar compiles), which would otherwise live on orphaned."""
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 @dataclass(frozen=True)

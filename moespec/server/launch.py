@@ -58,7 +58,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def exit_now(code: int) -> None:
-    """End the process whatever its threads are doing (one may be stuck in native code)."""
+    """End the process whatever its threads are doing (one may be stuck in native code), and its
+    helper processes with it."""
+    from moespec.server.engine_loop import kill_children
+    kill_children()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
