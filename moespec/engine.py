@@ -30,7 +30,7 @@ import torch
 
 from moespec.batch import build_batch
 from moespec.cluster import Cluster
-from moespec.config import EngineConfig, TreeShape
+from moespec.config import EngineConfig, SpeculationSection, TreeShape
 from moespec.distributed import Lockstep, StepPlan, StepReport, build_balancer, decide, ep_layers
 from moespec.kv_cache import PageAllocator, PageKeys
 from moespec.model_runner import ModelRunner
@@ -82,7 +82,7 @@ def resolve_eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def policy_for(spec, trees: tuple) -> SpeculationPolicy:
+def policy_for(spec: SpeculationSection, trees: tuple) -> SpeculationPolicy:
     """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin)."""
     return SpeculationPolicy(spec.num_speculative_tokens, spec.schedule, spec.adaptive, margin=spec.adaptive_margin,
                              trees=trees)

@@ -216,26 +216,26 @@ def wait_exit(process, timeout: float) -> int | None:
         return None
 
 
+def state_and_parent(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent pid from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def children_of(pid: int) -> set[int]:
-    """The live processes whose parent is pid (from /proc)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(entry.name))
-    return found
+    """The live (not zombie) processes whose parent is pid."""
+    return {int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+            and (state := state_and_parent(int(entry.name))) is not None and state[1] == pid and state[0] != "Z"}
 
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Those of pids still running after timeout seconds."""
+    """Those of pids still running (not zombies) after timeout seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = {pid for pid in pids if Path(f"/proc/{pid}").exists()
-                 and not (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z")}
+        alive = {pid for pid in pids if (state := state_and_parent(pid)) is not None and state[0] != "Z"}
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.1)

@@ -281,7 +281,7 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
         elif event == "propose":
             recorded = i + 1 < len(events) and events[i + 1][0] == "record" and events[i + 1][1] > 0
             assert recorded == (value or not after_plain), (i, events)
-            assert recorded or events[i + 1] == ("time only", events[i + 1][1]), (i, events)
+            assert recorded or events[i + 1][0] == "time only", (i, events)  # its time still counts
             kinds.append("steady" if value else "after plain" if after_plain else "after prefill")
             after_plain = False
     assert kinds[0] == "after prefill" and "after plain" in kinds and "steady" in kinds, kinds

@@ -21,19 +21,19 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   from recent verify steps whatever length ran (`Acceptance`), so a length never run is
   predicted from the others, averaged over the step's requests with each one's positions cut
   at the tokens it may still emit (a request 2 tokens from max_tokens keeps at most 2, whatever
-  it drafts); a tree's own recent mean. Counts decay per policy step, so the
-  estimate follows a workload whose acceptance shifts, and while plain decoding runs the
-  uncertainty of a speculative choice grows until it is worth measuring again.
+  it drafts); a tree's own recent mean. Counts decay per policy step, so the estimate follows
+  a workload whose acceptance shifts, and while plain decoding runs the uncertainty of a
+  speculative choice grows until it is worth measuring again.
 
 Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
 than the leader runs only where its optimistic rate (2 standard errors up) beats the leader's,
-`explore_steps` steps in a row (a switch from plain decoding starts with a catch-up step,
-which is not recorded), and only while exploration stays within `explore_share` (2%) of the
-bucket's steps and of its time, so at a batch size where plain decoding is predicted to win,
-speculating to find out costs at most that (a run starts only while the budget holds; the run
-itself may overdraw it once). The time counts the catch-up step: after a stretch of plain
-decoding the draft runs over every position it skipped, at batch 64 several plain steps' worth. Before any prediction exists, each candidate runs `min_samples`
-steps once (the first bucket the engine meets; others are predicted from it), and plain
+`explore_steps` steps in a row, and only while exploration stays within `explore_share` (2%)
+of the bucket's steps and of its time, so at a batch size where plain decoding is predicted to
+win, speculating to find out costs at most that (a run starts only while the budget holds; the
+run itself may overdraw it once). A switch from plain decoding starts with a catch-up step: the
+draft runs over every position it skipped, at batch 64 several plain steps' worth. It measures
+switching, not the choice, so only its time counts. Before any prediction exists, each
+candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted from it), and plain
 decoding runs `min_samples` steps at every bucket it meets.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
@@ -42,10 +42,10 @@ far as noisy step times can tell, and plain decoding has no catch-up steps and n
 requests finishing at different steps, which the step times miss.
 
 What the engine feeds in: `record` per decode or speculative step (batch size, the choice that
-ran, tokens per request, seconds, and whether it measures the choice: a speculative step that
-first caught up on plain decode steps measures switching, not speculating, and only counts
-towards the time), and `accept` per verify step (each request's accepted drafts). Across ranks each rank's policy chooses from its own measurements and the
-step agreement runs the shortest length any rank asks for (`moespec.distributed.decide`).
+ran, tokens kept per request, seconds, and whether it measures the choice: not the catch-up
+step after plain decoding), and `accept` per verify step (each request's accepted drafts).
+Across ranks each rank's policy chooses from its own measurements and the step agreement runs
+the shortest length any rank asks for (`moespec.distributed.decide`).
 
 Draft trees (`speculation.tree`) join the lengths as further choices. A fixed tree without
 `adaptive` runs wherever the table says to speculate.
