@@ -352,8 +352,9 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     """Long prompts in small chunks, mixed batches and stretches of plain steps: between steps
     the MTP speculator holds at most `hold_limit` target hidden states per running request (1 + k,
     or speculation.mtp_hold_tokens; a flush runs the MTP layer over the rest), nothing sized by
-    the KV cache, and after plain steps the next proposal still catches up (it does not feed the
-    adaptive policy)."""
+    the KV cache, all in one buffer allocated once (a slot per running request, given back on
+    release: nothing allocated per step that outlives it), and after plain steps the next
+    proposal still catches up (it does not feed the adaptive policy)."""
     import itertools
     k, max_num_seqs, num_kv_pages, page_size = 2, 3, 256, 4
     limit = max(1 + k, hold)
@@ -381,9 +382,10 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
 
     spec.propose = watch_propose
     seqs = [engine.add_request(p, q) for p, q in zip(batch, params)]
-    capacity = num_kv_pages * page_size
+    capacity, buffers = num_kv_pages * page_size, set()
     while engine.has_unfinished():
         engine.step()
+        buffers |= {state.slot.untyped_storage().data_ptr() for state in spec.states.values() if state.slot is not None}
         assert spec.pending_tokens() <= spec.max_pending_tokens
         assert all(state.num_pending <= limit for state in spec.states.values())
         assert len(spec.states) <= max_num_seqs
@@ -393,6 +395,7 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     assert flushed and engine.spec_stats.steps > 0
     assert after_plain and not any(after_plain)
     assert not spec.states  # released with their requests
+    assert len(buffers) == 1 and len(spec.free_slots) == max_num_seqs
 
 
 def test_mtp_layer_waits_for_a_draft_while_steps_do_not_speculate(deepseek_mtp):
