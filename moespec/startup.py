@@ -10,6 +10,7 @@ import signal
 from moespec.config import EngineConfig
 from moespec.distributed import join_ranks
 from moespec.engine import Engine
+from moespec.machine import keep_freed_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def start_engine(config: EngineConfig, warm_up: bool = False):
     steps (model.cuda_graph) are captured at start-up always: across ranks only the warm-up, which
     every rank runs alike, captures them, and in one process a capture while serving would race
     the overlap helper thread's kernels."""
+    keep_freed_host_memory()
     ranks = join_ranks(config)
     try:
         engine = Engine(config, ranks=ranks)
