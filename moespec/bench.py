@@ -188,12 +188,15 @@ def policy_steps(policy) -> tuple[int, int]:
 
 def policy_report(policy) -> dict:
     """Adaptive speculation per batch-size bucket at the end of the runs: the choice, steps,
-    exploration steps, predicted and measured tokens/s per choice (a tree by its shape)."""
+    exploration steps, predicted and measured tokens/s per choice (a tree by its shape). The
+    predictions are the last step's, at its batch size, and at the bucket's top batch size (where
+    a full batch runs most of its steps, and where the measured rates mostly come from)."""
     label = lambda choice: getattr(choice, "label", str(choice))  # noqa: E731
     return {str(bucket): {"choice": label(state["choice"]), "steps": state["steps"], "explored": state["explored"],
                           "predicted_batch": state["predicted_batch"],
                           **{source: {label(c): rate for c, rate in state[source].items()}
-                             for source in ("predicted", "measured")}}
+                             for source in ("predicted", "measured")},
+                          "predicted_at_top": {label(c): policy.predict(bucket, c).rate for c in state["predicted"]}}
             for bucket, state in policy.report().items()}
 
 
