@@ -9,7 +9,7 @@ cost is the process's CPU time (`time.process_time`, which another process on a 
 does not inflate) and its wall time. The ratio per step is speculating / none, taken step by step
 (step i of one engine against step i of the other, which runs the same batch), and reported as
 the median over steps, with the totals. An MTP engine's plain step holds the target's hidden
-states for its layer; a draft-model engine's runs the draft over nothing until it drafts.
+states for its layer.
 
   .venv/bin/python benchmarks/bench_plain_upkeep.py --config configs/smollm2-135m-mtp.yaml --batch 64 \
       --steps 48 --threads 1 [--chat-prompts FILE] [--out docs/bench/plain-upkeep-steps.json]
@@ -22,13 +22,13 @@ import platform
 import statistics
 import time
 from dataclasses import replace
-from datetime import date
 
 import torch
 
 from moespec.bench import chat_prompts, heldout_prompts
 from moespec.config import load_config
 from moespec.llm import LLM
+from moespec.machine import run_info
 from moespec.models import load_tokenizer
 from moespec.sampling import SamplingParams
 
@@ -83,9 +83,8 @@ def main() -> None:
             if len(steps[label]["decode"]) < args.steps:
                 cpu, wall, kind = timed_step(llm)
                 steps[label]["decode" if kind == "decode" else "prefill"].append((cpu, wall))
-    report = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "config": args.config, "batch": args.batch, "steps": args.steps, "temperature": args.temperature,
-              "threads": torch.get_num_threads(), "chat_prompts": args.chat_prompts}
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"), "config": args.config, "batch": args.batch, "steps": args.steps, "temperature": args.temperature,
+              "chat_prompts": args.chat_prompts}
     for phase in ("prefill", "decode"):
         none, plain = steps["none"][phase], steps["plain"][phase]
         n = min(len(none), len(plain))

@@ -190,7 +190,9 @@ def policy_report(policy) -> dict:
     """Adaptive speculation per batch-size bucket at the end of the runs: the choice, steps,
     exploration steps, predicted and measured tokens/s per choice (a tree by its shape). The
     predictions are the last step's, at its batch size, and at the bucket's top batch size (where
-    a full batch runs most of its steps, and where the measured rates mostly come from)."""
+    a full batch runs most of its steps, and where the measured rates mostly come from) for
+    requests with room for every draft: the measured rates count the tokens kept, so near
+    requests' ends they fall below that prediction."""
     label = lambda choice: getattr(choice, "label", str(choice))  # noqa: E731
     return {str(bucket): {"choice": label(state["choice"]), "steps": state["steps"], "explored": state["explored"],
                           "predicted_batch": state["predicted_batch"],

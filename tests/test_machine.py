@@ -12,6 +12,7 @@ import pytest
 ROUNDS = """
 import resource, torch
 from moespec.machine import keep_freed_host_memory
+torch.set_num_threads(1)
 applied = keep_freed_host_memory()
 def one_round():  # a step's activations: 64 MB in 8 MB tensors, allocated, then freed
     blocks = [torch.ones(2 << 20) for _ in range(8)]
@@ -35,10 +36,16 @@ def faults_per_round(**env: str) -> tuple[bool, int]:
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="glibc's malloc")
 def test_freed_host_memory_is_reused_without_page_faults():
-    """With the setting a step's 64 MB come back from the heap (no page faults); glibc's defaults
-    hand them back to the system and fault in all 16,384 pages again, every round. A preloaded
-    allocator or malloc variables of the user's own leave it off."""
-    applied, faults = faults_per_round()
-    assert applied and faults < 100, faults
-    skipped, default_faults = faults_per_round(LD_PRELOAD="")
-    assert not skipped and default_faults > 10_000, default_faults
+    """With the setting a step's 64 MB come back from the heap (no page faults, in every process);
+    glibc's defaults hand them back to the system and fault in all 16,384 pages again, every
+    round (in about 3 processes of 4; in the others 410 a round, so up to 5 are tried). A
+    preloaded allocator or malloc variables of the user's own leave it off."""
+    for _ in range(3):
+        applied, faults = faults_per_round()
+        assert applied and faults < 100, faults
+    defaults = []
+    while len(defaults) < 5 and max(defaults, default=0) <= 10_000:
+        skipped, faults = faults_per_round(LD_PRELOAD="")
+        assert not skipped
+        defaults.append(faults)
+    assert max(defaults) > 10_000, defaults

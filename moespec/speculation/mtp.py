@@ -70,12 +70,13 @@ class MTPState:
         return self.overflow if self.overflow is not None else self.slot[:self.num_pending]
 
     def hold(self, rows: torch.Tensor) -> None:
-        """Copy rows [r, M] after the held ones, into the slot where they fit."""
+        """Copy rows [r, M] after the held ones, into the slot where they fit; past it, the held
+        ones join them (a long prompt chunk alone stays a view of the step's hidden states)."""
         n, r = self.num_pending, rows.shape[0]
         if self.overflow is None and n + r <= self.slot.shape[0]:
             self.slot[n: n + r] = rows
         else:
-            self.overflow = torch.cat([self.held(), rows])
+            self.overflow = torch.cat([self.held(), rows]) if n else rows
         self.num_pending += r
 
     def drop(self, n: int) -> None:
