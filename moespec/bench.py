@@ -13,7 +13,10 @@ once and a finished request's slot goes to the next waiting one, so the batch st
 until the last wave drains (--max-tokens-spread varies output lengths, so that requests also
 finish at different steps without speculation, as in serving). The modes take turns (the
 order rotates each repeat) until each has run max(--num-prompts, waves x b) prompts,
-`repeats` times. Reported per mode and batch size, from its fastest repeat: output tokens/s,
+`repeats` times: a turn is a whole group of prompts, or with --turn-seconds S every mode holds
+the group at once and a turn is S seconds of stepping, so that the machine's drift within a
+group's run falls on every mode alike (each engine's TTFT and TPOT then count its own steps).
+Reported per mode and batch size, from its fastest repeat: output tokens/s,
 mean TTFT and TPOT, accept length and per-position acceptance, the steps adaptive speculation
 chose and how many of them it spent exploring (explore_steps); and its speedup over `none`
 as the median of the per-repeat ratios, with every ratio (`speedup_runs`) for the spread:
@@ -69,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--modes", default="none,mtp",
-                        help="comma list: none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto")
+                        help="comma list: none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto; "
+                             "MODE@TAG runs a mode again in an engine of its own (none@again: an A/A control)")
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=8,
@@ -81,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vary each request's max_tokens uniformly by this fraction around --max-tokens")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--turn-seconds", type=float, default=0.0, metavar="S",
+                        help="0: a mode's turn is a whole group of prompts; S > 0: every mode holds the group at "
+                             "once and the modes step in turns of S seconds each (finer pairing on a drifting "
+                             "machine; TTFT and TPOT on each engine's own clock)")
     parser.add_argument("--adaptive", choices=["on", "off"], default="off",
                         help="adaptive speculation length (off: always draft k)")
     parser.add_argument("--hf-assisted", action="store_true",
@@ -108,10 +116,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_mode(text: str) -> tuple[str, dict]:
+    """A --modes entry -> (its label, the speculation fields it sets). `MODE@TAG` runs MODE in an
+    engine of its own labelled by the whole text, so one mode can run twice: `none,none@again`
+    measures the bench's own spread (an A/A control) beside the modes compared."""
     from moespec.speculation.tree import TreeShape
 
-    name, _, arg = text.partition(":")
-    allowed = "none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto, draft-tree:auto"
+    body, at, tag = text.partition("@")
+    if at and not tag:
+        raise ValueError(f"--modes {text!r}: the tag after '@' is empty")
+    name, _, arg = body.partition(":")
+    allowed = "none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto, draft-tree:auto (each may end in @TAG)"
     if name not in ("none", "mtp", "draft", "mtp-tree", "draft-tree"):
         raise ValueError(f"--modes: {name!r} is not a mode; allowed: {allowed}")
     if not name.endswith("-tree"):
@@ -127,6 +141,16 @@ def parse_mode(text: str) -> tuple[str, dict]:
         raise ValueError(f"--modes {text!r}: {e}") from None
     return text, {"mode": name[:-5], "num_speculative_tokens": shape.depth,
                   "tree": {"top_k": shape.top_k, "depth": shape.depth, "num_draft_tokens": shape.num_draft_tokens}}
+
+
+def parse_modes(text: str) -> list[tuple[str, dict]]:
+    """--modes -> every mode's (label, fields); a label given twice is an error."""
+    modes = [parse_mode(m) for m in text.split(",")]
+    labels = [label for label, _ in modes]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"--modes: {', '.join(repeated)} given twice; tag a second run of a mode: MODE@TAG")
+    return modes
 
 
 def switch_values(choice: str, configured: bool) -> list[bool]:
@@ -158,20 +182,27 @@ def chat_prompts(tokenizer, path: str, count: int) -> list[list[int]]:
 
 
 def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params: list, chunk: int,
-              shared: int = 0) -> dict[str, dict]:
-    """Every mode over the same prompts, `chunk` prompts per generate call; the modes take turns
-    on each chunk, so a slow phase of the machine falls on all of them alike."""
+              shared: int = 0, slice_s: float = 0.0) -> dict[str, dict]:
+    """Every mode over the same prompts, `chunk` prompts at a time; the modes take turns on each
+    chunk, so a slow phase of the machine falls on all of them alike. `slice_s` 0: a turn is a
+    whole chunk (a generate call); else every mode holds the chunk at once and a turn is
+    `slice_s` seconds of stepping (`run_sliced`), so drift over a chunk's seconds cancels too."""
     before = {label: snapshot(llm.engine.spec_stats) for label, llm in engines.items()}
     steps_before = {label: step_times(llm.engine.stats) for label, llm in engines.items()}
     policy_before = {label: policy_steps(llm.engine.policy) for label, llm in engines.items()}
     seconds = dict.fromkeys(order, 0.0)
     outs: dict[str, list] = {label: [] for label in order}
+    latencies: dict[str, list] | None = {label: [] for label in order} if slice_s else None
     for i in range(0, len(prompts), chunk):
+        if slice_s:
+            run_sliced(engines, order, prompts[i:i + chunk], params[i:i + chunk], slice_s, seconds, outs, latencies)
+            continue
         for label in order:
             start = time.perf_counter()
             outs[label] += engines[label].generate(prompts[i:i + chunk], params[i:i + chunk], use_tqdm=False)
             seconds[label] += time.perf_counter() - start
-    rows = {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared)
+    rows = {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared,
+                                  latencies[label] if latencies else None)
             for label in order}
     for label in order:
         steps, busy, wall = (b - a for a, b in zip(steps_before[label], step_times(engines[label].engine.stats)))
@@ -179,6 +210,39 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
         chosen, explored = (b - a for a, b in zip(policy_before[label], policy_steps(engines[label].engine.policy)))
         rows[label].update(policy_steps=chosen, explore_steps=explored)
     return rows
+
+
+def run_sliced(engines: dict, order: list[str], prompts: list[list[int]], params: list, slice_s: float,
+               seconds: dict[str, float], outs: dict[str, list], latencies: dict[str, list]) -> None:
+    """One chunk of prompts submitted to every mode at once, the modes then stepping in turns of
+    `slice_s` seconds until their requests finish: within a turn an engine's caches stay warm, and
+    a change in the machine's speed lasting more than a few turns falls on every mode alike.
+    Each engine keeps its own clock (the seconds it spent stepping): `seconds` gains it, and
+    `latencies` each request's (TTFT, TPOT) on it, the chunk submitted at 0."""
+    groups = {label: [engines[label].add(p, q) for p, q in zip(prompts, params)] for label in order}
+    clock = dict.fromkeys(order, 0.0)
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    while active := [label for label in order if engines[label].engine.has_unfinished()]:
+        for label in active:
+            engine, turn_end = engines[label].engine, clock[label] + slice_s
+            waiting = [seq for group in groups[label] for seq in group if id(seq) not in done]
+            while clock[label] < turn_end and engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                clock[label] += time.perf_counter() - start
+                for seq in waiting:
+                    if id(seq) not in first and seq.metrics.first_token_time is not None:
+                        first[id(seq)] = clock[label]
+                    if id(seq) not in done and seq.is_finished:
+                        done[id(seq)] = clock[label]
+    for label in order:
+        seconds[label] += clock[label]
+        outs[label] += [engines[label].collect(prompt, group) for prompt, group in zip(prompts, groups[label])]
+        for seq in (seq for group in groups[label] for seq in group):
+            n = seq.metrics.num_generated_tokens
+            latencies[label].append((first.get(id(seq)), (done[id(seq)] - first[id(seq)]) / (n - 1)
+                                     if n > 1 and id(seq) in first and id(seq) in done else None))
 
 
 def policy_steps(policy) -> tuple[int, int]:
@@ -227,8 +291,12 @@ def snapshot(stats) -> tuple:
             {label: list(counts) for label, counts in stats.by_tree.items()})
 
 
-def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0) -> dict:
-    """`shared`: the prompts' shared prefix length (the share of it served from the cache is reported)."""
+def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0,
+                   latencies: list[tuple] | None = None) -> dict:
+    """`shared`: the prompts' shared prefix length (the share of it served from the cache is reported);
+    `latencies`: each request's (TTFT, TPOT) in seconds, where not its own metrics' (`run_sliced`)."""
+    if latencies is None:
+        latencies = [(o.metrics.ttft, o.metrics.tpot) for o in outs]
     tokens = sum(len(o.token_ids) for o in outs)
     steps, accepted = s.steps - before[0], s.accepted_tokens - before[1]
     acc_at = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(s.accepted_at)]
@@ -238,9 +306,9 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0
              for label, (steps_, acc) in s.by_tree.items()}
     return {
         "seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
-        "ttft_ms": 1e3 * mean([o.metrics.ttft for o in outs if o.metrics.ttft is not None]),
-        "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([o.metrics.tpot for o in outs
-                                                                  if o.metrics.tpot is not None])),
+        "ttft_ms": 1e3 * mean([ttft for ttft, _ in latencies if ttft is not None]),
+        "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([tpot for _, tpot in latencies
+                                                                  if tpot is not None])),
         "accept_length": (accepted + steps) / steps if steps else None,
         "cached_prompt_share": (sum(o.num_cached_tokens for o in outs)
                                 / max(1, sum(len(o.prompt_token_ids) for o in outs))),
@@ -318,7 +386,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = load_engine_config(args)
-    modes = [parse_mode(m) for m in args.modes.split(",")]
+    modes = parse_modes(args.modes)
+    if args.turn_seconds < 0:
+        raise ValueError(f"--turn-seconds must be >= 0, got {args.turn_seconds}")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
     caching = switch_values(args.prefix_caching, base.cache.prefix_caching)
@@ -373,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
             labels = list(engines)
             order = labels[r % len(labels):] + labels[:r % len(labels)]  # rotate: no mode always first
             rows = run_modes(engines, order, prompts[:prompt_count(batch)], per_prompt, turn_size(batch),
-                             args.shared_prefix)
+                             args.shared_prefix, args.turn_seconds)
             for label, row in rows.items():
                 runs[label].append(row)
         for label, rows in runs.items():
@@ -408,6 +478,7 @@ def run(args: argparse.Namespace) -> int:
               "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching, "compile": args.compile,
               "cuda_graph": args.cuda_graph, "overlap": args.overlap,
               "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread, "waves": args.waves,
+              "turn_seconds": args.turn_seconds,
               "temperature": args.temperature, "adaptive": args.adaptive,
               "results": results}
     if args.hf_assisted:

@@ -7,7 +7,8 @@ import sys
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def test_bench_writes_results_for_every_mode(tmp_path):
+def tiny_llama_config(tmp_path):
+    """A one-layer Llama, its own draft model."""
     import torch
     torch.manual_seed(0)
     model = tmp_path / "m"
@@ -18,16 +19,26 @@ def test_bench_writes_results_for_every_mode(tmp_path):
         shutil.copy(f"checkpoints/tokenizer/{f}", model / f)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model:\n  path: {model}\ndraft:\n  model: {model}\ncache:\n  page_size: 8\n  num_kv_pages: 256\n")
+    return cfg
+
+
+def test_bench_writes_results_for_every_mode(tmp_path):
+    import torch
+    cfg = tiny_llama_config(tmp_path)
     out = tmp_path / "r.json"
-    result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2",
+    result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none,draft:2,none@again",
                              "--batch-sizes", "1,2", "--prompt-len", "16", "--max-tokens", "6", "--repeats", "2",
                              "--num-prompts", "3", "--waves", "2", "--cuda-graph", "both",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["cpu"] and report["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # what it ran on
-    graphs = {label: report["results"].pop(label) for label in ("none/graph", "draft:2/graph")}
+    graphs = {label: report["results"].pop(label) for label in ("none/graph", "draft:2/graph", "none@again/graph")}
+    again = report["results"].pop("none@again")  # an A/A control: plain decoding in an engine of its own
     assert set(report["results"]) == {"none", "draft:2"} and report["cuda_graph"] == "both"
+    for none, control in zip(report["results"]["none"], again):
+        assert control["tokens"] == none["tokens"] and control["accept_length"] is None
+        assert control["speedup_runs"] == [c / n for c, n in zip(control["tok_s_runs"], none["tok_s_runs"])]
     # captured steps (checked replays on this CPU): captured in the warm-up, compared with the same switches
     assert all(r["compile_s"] > 0 and r["tok_s"] > 0 for rows in graphs.values() for r in rows)
     assert all("speedup_same_switches" in r for r in graphs["draft:2/graph"])
@@ -47,6 +58,31 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_turns_of_seconds_keep_each_engines_own_clock(tmp_path):
+    """--turn-seconds: every mode holds a group of prompts at once and they step in short turns;
+    each engine's seconds and latencies count its own steps only."""
+    cfg = tiny_llama_config(tmp_path)
+    out = tmp_path / "r.json"
+    result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes",
+                             "none,draft:2,none@again", "--batch-sizes", "2", "--prompt-len", "16", "--max-tokens", "6",
+                             "--repeats", "2", "--num-prompts", "4", "--waves", "2", "--turn-seconds", "0.005",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["turn_seconds"] == 0.005
+    rows = {label: rows[0] for label, rows in report["results"].items()}
+    assert set(rows) == {"none", "draft:2", "none@again"}
+    for row in rows.values():
+        assert row["tokens"] == 4 * 6 and len(row["speedup_runs"]) == 2
+        # a request's first token and its last five on the engine's own clock, within its seconds
+        assert 0 < row["ttft_ms"] and 0 < row["tpot_ms"]
+        assert row["ttft_ms"] + 5 * row["tpot_ms"] <= 1e3 * row["seconds"]
+    assert rows["draft:2"]["accept_length"] == 3.0 and rows["none@again"]["accept_length"] is None
+    result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none",
+                             "--turn-seconds", "-1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "--turn-seconds must be >= 0" in result.stderr
 
 
 def test_output_lengths_spread_around_the_mean():

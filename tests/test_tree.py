@@ -294,3 +294,16 @@ def test_bench_tree_modes_parse():
     assert parse_mode("mtp:2")[1] == {"mode": "mtp", "tree": None, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="TOPKxDEPTHxTOKENS"):
         parse_mode("mtp-tree:4x3")
+
+
+def test_bench_runs_a_mode_twice_only_under_a_tag():
+    from moespec.bench import parse_modes
+    assert parse_modes("none,mtp:2@b,none@again") == [
+        ("none", {"mode": "none", "tree": None}), ("mtp:2@b", {"mode": "mtp", "tree": None, "num_speculative_tokens": 2}),
+        ("none@again", {"mode": "none", "tree": None})]
+    with pytest.raises(ValueError, match="none given twice"):
+        parse_modes("none,mtp,none")
+    with pytest.raises(ValueError, match="'mtp@'.*empty"):
+        parse_modes("mtp@")
+    with pytest.raises(ValueError, match="'nope' is not a mode"):
+        parse_modes("nope@x")
