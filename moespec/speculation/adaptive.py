@@ -14,8 +14,11 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   batch sizes are too close together to tell its slope from noise). Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
-  a bucket never run is predicted from its neighbours. The slope terms carry a small ridge, so
-  a family measured at one batch size only extrapolates flat from it.
+  a bucket never run is predicted from its neighbours. The slope terms carry a small ridge
+  toward a prior: none for plain decoding, so measured at one batch size only it extrapolates
+  flat; for a draft, its verify's share of plain decoding's slope (a chain of k verifies 1 + k
+  tokens per request), so a draft measured only at a high load, where it lost, is predicted at
+  a low one from how plain decoding's steps shrink there, and tried.
 - E_c, tokens per request per step: 1 for plain decoding; for a chain of k, 1 + sum over
   positions i <= k of P(a >= i), a the drafts a request's verify accepted, counted per position
   from recent verify steps whatever length ran (`Acceptance`), so a length never run is
@@ -154,30 +157,52 @@ class StepCosts:
         return 0 if samples is None else samples.added
 
     def predict(self, batch_size: int, choice: Choice) -> tuple[float, float] | None:
-        """Seconds of one step and its standard error; None before the family has a sample. A fit
-        is redone after a new sample, at most once per `refit_every` predictions or samples."""
-        key = family(choice)
-        if key not in self.samples:
+        """Seconds of one step and its standard error; None before the family has a sample."""
+        fitted = self.fitted(family(choice), log2_bucket(batch_size), choice)
+        if fitted is None:
             return None
-        where, added = log2_bucket(batch_size), self.added[key]
-        cached = self.fits.get((key, where))
-        if cached is None or (added > cached[0] and (cached[1] >= self.refit_every
-                                                     or added - cached[0] >= self.refit_every)):
-            cached = self.fits[key, where] = [added, 0, self.fit(self.samples[key], where)]
-        cached[1] += 1
-        theta, inverse, noise, floor = cached[2]
+        theta, inverse, noise, floor = fitted
         x = np.array(features(choice, batch_size))
         seconds = max(float(x @ theta), floor)
         return seconds, math.sqrt(noise * float(x @ inverse @ x))
 
-    def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Coefficients [F] and the inverse normal matrix [F, F]; no ridge on the intercept."""
+    def fitted(self, key, where: int, choice: Choice) -> tuple | None:
+        """The family's fit at a log2 bucket, redone after a new sample (its own, or plain
+        decoding's, which sets its prior), at most once per `refit_every` predictions or samples."""
+        if key not in self.samples:
+            return None
+        added = self.added[key] + (self.added.get("plain", 0) if key != "plain" else 0)
+        cached = self.fits.get((key, where))
+        if cached is None or (added > cached[0] and (cached[1] >= self.refit_every
+                                                     or added - cached[0] >= self.refit_every)):
+            cached = self.fits[key, where] = [added, 0, self.fit(self.samples[key], where, self.prior(choice, where))]
+        cached[1] += 1
+        return cached[2]
+
+    def prior(self, choice: Choice, where: int) -> np.ndarray | None:
+        """What the slope terms shrink toward (the ridge's centre): for plain decoding 0; for a
+        draft its verify's share of plain decoding's slope at this bucket, a chain of k verifying
+        1 + k tokens per request and a tree its nodes. So a draft measured at one batch size only
+        is predicted at smaller ones from how plain decoding's steps shrink (the verify part of its
+        step at least), not flat: at a low load the draft is predicted cheaper there and tried."""
+        if choice == 0 or "plain" not in self.samples:
+            return None
+        slope = max(float(self.fitted("plain", where, 0)[0][1]), 0.0)  # seconds per 16 requests
+        if isinstance(choice, TreeShape):
+            return np.array([0.0, slope * (1 + choice.num_draft_tokens)])
+        return np.array([0.0, 0.0, slope, slope])  # a + d*k + b*B + e*B*k: B*(1+k) tokens verified
+
+    def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray,
+              prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Coefficients [F] and the inverse normal matrix [F, F]; the slope terms shrink toward
+        `prior` [F] (0 without), the intercept not at all."""
         penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
         penalty[0] = 1e-9
         inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
-        return inverse @ ((x * w[:, None]).T @ y), inverse
+        centre = 0.0 if prior is None else penalty * prior
+        return inverse @ ((x * w[:, None]).T @ y + centre), inverse
 
-    def fit(self, buckets: dict[int, Samples], where: int) -> tuple:
+    def fit(self, buckets: dict[int, Samples], where: int, prior: np.ndarray | None = None) -> tuple:
         """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
         normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
         of the cheapest step seen)."""
@@ -185,13 +210,13 @@ class StepCosts:
         x = np.concatenate([p[0] for p in parts])  # [N, F]
         y = np.concatenate([p[1] for p in parts])  # [N]
         w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
-        theta, inverse = self.solve(x, y, w)
+        theta, inverse = self.solve(x, y, w, prior)
         residual = y - x @ theta
         # one reweighting pass (Huber): a step taken in a burst of load on a shared machine
         # weighs as if it were 2.5 robust deviations off, not its full distance
         scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
         w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
-        theta, inverse = self.solve(x, y, w)
+        theta, inverse = self.solve(x, y, w, prior)
         mean = float((w * y).sum() / w.sum())
         if x.shape[1] == 2 and theta[1] < 0:  # a + b*B sloping down: the weighted mean instead
             theta = np.array([mean, 0.0])
