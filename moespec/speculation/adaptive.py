@@ -46,8 +46,7 @@ requests finishing at different steps, which the step times miss.
 
 What the engine feeds in: `record` per decode or speculative step (batch size, the choice that
 ran, tokens kept per request, seconds, and whether it measures the choice: not the catch-up
-step after plain decoding, nor a choice's first two steps in the engine, which run its shapes
-for the first time: `verification.COLD_STEPS`), and `accept` per verify step (each request's accepted drafts).
+step after plain decoding), and `accept` per verify step (each request's accepted drafts).
 Across ranks each rank's policy chooses from its own measurements and the step agreement runs
 the shortest length any rank asks for (`moespec.distributed.decide`).
 
