@@ -31,9 +31,6 @@ from moespec.speculation.tree import (DraftTree, TreeResult, compact_path, page_
 from moespec.step_state import EngineOutputs, PreparedStep, SpecStats, StepProgress, StepStats, Verified
 
 
-COLD_STEPS = 2  # a draft length's (or tree's) first speculative steps in an engine: not measured
-
-
 class SpeculativeSteps:
     def __init__(self, spec_config: SpeculationSection, runner: ModelRunner, speculator, requests: Requests,
                  policy: SpeculationPolicy, sampler: Sampler, generator: torch.Generator, page_size: int,
@@ -45,7 +42,6 @@ class SpeculativeSteps:
         self.vocab_size, self.eos_ids, self.grammars = requests.vocab_size, requests.eos_ids, requests.grammars
         self.spec_stats = SpecStats()
         self.ran_plain = False  # plain decode steps ran since the last speculative step
-        self.runs: dict = {}  # draft length or tree -> speculative steps it ran (the first COLD_STEPS: cold)
 
     def draft_rows(self, seqs: list[Sequence]) -> DraftRows:
         """The sampling rows of a step's drafts and verification, for these requests."""
@@ -126,13 +122,8 @@ class SpeculativeSteps:
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
         self.policy.accept(choice, num_accepted)
-        # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py);
-        # a choice's first steps run its shapes for the first time and its draft's first catch-up
-        # on every prompt at once (SmolLM2's head at batch 16: k=3 took 745 and 322 ms, then 187):
-        # their time counts, and the policy measures the choice on the steps after them
-        self.runs[choice] = self.runs.get(choice, 0) + 1
-        warm = self.runs[choice] > COLD_STEPS
-        self.policy.record(len(seqs), choice, kept / len(seqs), elapsed, measures=warm and (steady or not self.ran_plain))
+        # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
+        self.policy.record(len(seqs), choice, kept / len(seqs), elapsed, measures=steady or not self.ran_plain)
         self.ran_plain = False
 
     def grow(self, prepared: PreparedStep) -> Verified:
