@@ -83,8 +83,8 @@ def main() -> None:
             if len(steps[label]["decode"]) < args.steps:
                 cpu, wall, kind = timed_step(llm)
                 steps[label]["decode" if kind == "decode" else "prefill"].append((cpu, wall))
-    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"), "config": args.config, "batch": args.batch, "steps": args.steps, "temperature": args.temperature,
-              "chat_prompts": args.chat_prompts}
+    report = {**run_info(f"{platform.machine()}, {torch.get_num_threads()} threads"), "config": args.config,
+              "batch": args.batch, "steps": args.steps, "temperature": args.temperature, "chat_prompts": args.chat_prompts}
     for phase in ("prefill", "decode"):
         none, plain = steps["none"][phase], steps["plain"][phase]
         n = min(len(none), len(plain))

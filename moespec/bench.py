@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from moespec.machine import run_info
+from moespec.sequence import RequestMetrics
 
 logger = logging.getLogger(__name__)
 # tokens per request of every engine's warm-up at each batch size: enough decode steps for
@@ -192,17 +193,17 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
     policy_before = {label: policy_steps(llm.engine.policy) for label, llm in engines.items()}
     seconds = dict.fromkeys(order, 0.0)
     outs: dict[str, list] = {label: [] for label in order}
-    latencies: dict[str, list] | None = {label: [] for label in order} if slice_s else None
+    own_clocks: dict[str, list] | None = {label: [] for label in order} if slice_s else None
     for i in range(0, len(prompts), chunk):
         if slice_s:
-            run_sliced(engines, order, prompts[i:i + chunk], params[i:i + chunk], slice_s, seconds, outs, latencies)
+            run_sliced(engines, order, prompts[i:i + chunk], params[i:i + chunk], slice_s, seconds, outs, own_clocks)
             continue
         for label in order:
             start = time.perf_counter()
             outs[label] += engines[label].generate(prompts[i:i + chunk], params[i:i + chunk], use_tqdm=False)
             seconds[label] += time.perf_counter() - start
     rows = {label: summarize_mode(outs[label], seconds[label], before[label], engines[label].engine.spec_stats, shared,
-                                  latencies[label] if latencies else None)
+                                  own_clocks[label] if own_clocks else None)
             for label in order}
     for label in order:
         steps, busy, wall = (b - a for a, b in zip(steps_before[label], step_times(engines[label].engine.stats)))
@@ -213,12 +214,12 @@ def run_modes(engines: dict, order: list[str], prompts: list[list[int]], params:
 
 
 def run_sliced(engines: dict, order: list[str], prompts: list[list[int]], params: list, slice_s: float,
-               seconds: dict[str, float], outs: dict[str, list], latencies: dict[str, list]) -> None:
+               seconds: dict[str, float], outs: dict[str, list], own_clocks: dict[str, list]) -> None:
     """One chunk of prompts submitted to every mode at once, the modes then stepping in turns of
     `slice_s` seconds until their requests finish: within a turn an engine's caches stay warm, and
     a change in the machine's speed lasting more than a few turns falls on every mode alike.
     Each engine keeps its own clock (the seconds it spent stepping): `seconds` gains it, and
-    `latencies` each request's (TTFT, TPOT) on it, the chunk submitted at 0."""
+    `own_clocks` each request's RequestMetrics on it, the chunk submitted at 0."""
     groups = {label: [engines[label].add(p, q) for p, q in zip(prompts, params)] for label in order}
     clock = dict.fromkeys(order, 0.0)
     first: dict[int, float] = {}
@@ -239,10 +240,9 @@ def run_sliced(engines: dict, order: list[str], prompts: list[list[int]], params
     for label in order:
         seconds[label] += clock[label]
         outs[label] += [engines[label].collect(prompt, group) for prompt, group in zip(prompts, groups[label])]
-        for seq in (seq for group in groups[label] for seq in group):
-            n = seq.metrics.num_generated_tokens
-            latencies[label].append((first.get(id(seq)), (done[id(seq)] - first[id(seq)]) / (n - 1)
-                                     if n > 1 and id(seq) in first and id(seq) in done else None))
+        own_clocks[label] += [RequestMetrics(first_token_time=first.get(id(seq)), finished_time=done.get(id(seq)),
+                                             num_generated_tokens=seq.metrics.num_generated_tokens)
+                              for group in groups[label] for seq in group]
 
 
 def policy_steps(policy) -> tuple[int, int]:
@@ -292,11 +292,11 @@ def snapshot(stats) -> tuple:
 
 
 def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0,
-                   latencies: list[tuple] | None = None) -> dict:
+                   own_clocks: list | None = None) -> dict:
     """`shared`: the prompts' shared prefix length (the share of it served from the cache is reported);
-    `latencies`: each request's (TTFT, TPOT) in seconds, where not its own metrics' (`run_sliced`)."""
-    if latencies is None:
-        latencies = [(o.metrics.ttft, o.metrics.tpot) for o in outs]
+    `own_clocks`: each request's RequestMetrics on its engine's own clock, where not its own
+    (`run_sliced`)."""
+    metrics = own_clocks if own_clocks is not None else [o.metrics for o in outs]
     tokens = sum(len(o.token_ids) for o in outs)
     steps, accepted = s.steps - before[0], s.accepted_tokens - before[1]
     acc_at = [a - (before[2][i] if i < len(before[2]) else 0) for i, a in enumerate(s.accepted_at)]
@@ -306,9 +306,8 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0
              for label, (steps_, acc) in s.by_tree.items()}
     return {
         "seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
-        "ttft_ms": 1e3 * mean([ttft for ttft, _ in latencies if ttft is not None]),
-        "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([tpot for _, tpot in latencies
-                                                                  if tpot is not None])),
+        "ttft_ms": 1e3 * mean([m.ttft for m in metrics if m.ttft is not None]),
+        "tpot_ms": (lambda t: None if t is None else 1e3 * t)(mean([m.tpot for m in metrics if m.tpot is not None])),
         "accept_length": (accepted + steps) / steps if steps else None,
         "cached_prompt_share": (sum(o.num_cached_tokens for o in outs)
                                 / max(1, sum(len(o.prompt_token_ids) for o in outs))),

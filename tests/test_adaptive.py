@@ -113,11 +113,11 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
 
 
 def test_follows_a_shift_in_acceptance():
-    """Batch 8, 8 seeds: speculation while acceptance is high (7 seeds of 8), plain decoding within 60 steps of
-    it falling, speculation again after it rises, found by exploration while plain decoding runs
-    (within its share): within 1000 steps in every seed, 700 in the median (a rise shows only
-    through a few explored steps, whose counts are outweighed by the low ones still held; the
-    seeds spread over 100-900 steps)."""
+    """Batch 8, 8 seeds: speculation while acceptance is high (7 seeds of 8), plain decoding
+    within 60 steps of it falling, speculation again after it rises, found by exploration while
+    plain decoding runs (within its share): within 1000 steps in every seed, 700 in the median
+    (a rise shows only through a few explored steps, whose counts are outweighed by the low ones
+    still held; the seeds spread over 100-900 steps)."""
     backs, speculating = [], 0
     for seed in range(8):
         policy = SpeculationPolicy(3)

@@ -124,3 +124,55 @@ def test_chat_prompts_render_the_chat_template_in_turn(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="--chat-prompts"):
         chat_prompts(tokenizer, str(tmp_path / "empty.jsonl"), 1)
+
+
+def test_sliced_turns_interleave_engines_and_count_only_their_own_steps():
+    """run_sliced: engines step in turns of about `slice_s` of their own stepping; an engine's
+    seconds and its requests' TTFT and TPOT count its own steps, not the others' turns."""
+    import time
+    from types import SimpleNamespace
+    from moespec.bench import run_sliced
+    from moespec.sequence import RequestMetrics
+
+    calls = []
+
+    class Engine:  # each request emits one token per step, for `tokens` steps
+        def __init__(self, label, step_s):
+            self.label, self.step_s, self.seqs = label, step_s, []
+
+        def has_unfinished(self):
+            return any(not s.is_finished for s in self.seqs)
+
+        def step(self):
+            calls.append(self.label)
+            time.sleep(self.step_s)
+            for s in self.seqs:
+                if not s.is_finished:
+                    s.metrics.num_generated_tokens += 1
+                    s.metrics.first_token_time = s.metrics.first_token_time or time.monotonic()
+                    s.is_finished = s.metrics.num_generated_tokens == s.tokens
+
+    class Fake:
+        def __init__(self, label, step_s):
+            self.engine = Engine(label, step_s)
+
+        def add(self, prompt, tokens):
+            seq = SimpleNamespace(metrics=RequestMetrics(), is_finished=False, tokens=tokens)
+            self.engine.seqs.append(seq)
+            return [seq]
+
+        def collect(self, prompt, group):
+            return group
+
+    engines = {"a": Fake("a", 0.002), "b": Fake("b", 0.004)}
+    seconds, outs, clocks = {"a": 0.0, "b": 0.0}, {"a": [], "b": []}, {"a": [], "b": []}
+    run_sliced(engines, ["a", "b"], [[1], [2]], [10, 20], 0.01, seconds, outs, clocks)
+    assert calls.count("a") == 20 and calls.count("b") == 20
+    switches = sum(x != y for x, y in zip(calls, calls[1:]))
+    assert switches >= 6  # turns of ~5 steps of a and ~3 of b, not one engine to the end
+    # a's 20 steps of 2 ms: its clock is its own ~40 ms, not the ~120 ms both took in turns
+    assert 0.035 < seconds["a"] < 0.07 and 0.075 < seconds["b"] < 0.14, seconds
+    a_short, a_long = clocks["a"]  # 10 and 20 tokens, the first after one step of a
+    assert 0.001 < a_short.ttft < 0.02 and a_long.finished_time == seconds["a"]
+    assert a_long.tpot == (a_long.finished_time - a_long.first_token_time) / 19 < 0.004
+    assert [len(outs[label]) for label in engines] == [2, 2]
