@@ -65,8 +65,10 @@ from moespec.sequence import RequestMetrics
 
 logger = logging.getLogger(__name__)
 # tokens per request of every engine's warm-up at each batch size: enough decode steps for
-# adaptive speculation to measure each choice once, as a server does in its first seconds
-WARMUP_TOKENS = 16
+# adaptive speculation to measure each choice once, as a server does in its first seconds (each
+# draft length's first steps run cold and are not measured, verification.COLD_STEPS: 4 lengths of
+# 2 + 2 steps and plain decoding's 2 take 14 steps, and 20-30 tokens)
+WARMUP_TOKENS = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

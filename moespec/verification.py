@@ -31,6 +31,9 @@ from moespec.speculation.tree import (DraftTree, TreeResult, compact_path, page_
 from moespec.step_state import EngineOutputs, PreparedStep, SpecStats, StepProgress, StepStats, Verified
 
 
+COLD_STEPS = 2  # a draft length's (or tree's) first speculative steps in an engine: not measured
+
+
 class SpeculativeSteps:
     def __init__(self, spec_config: SpeculationSection, runner: ModelRunner, speculator, requests: Requests,
                  policy: SpeculationPolicy, sampler: Sampler, generator: torch.Generator, page_size: int,
@@ -42,6 +45,8 @@ class SpeculativeSteps:
         self.vocab_size, self.eos_ids, self.grammars = requests.vocab_size, requests.eos_ids, requests.grammars
         self.spec_stats = SpecStats()
         self.ran_plain = False  # plain decode steps ran since the last speculative step
+        self.behind = 0  # positions this step's draft catches up on beyond a steady step's
+        self.runs: dict = {}  # draft length or tree -> speculative steps it ran (the first COLD_STEPS: cold)
 
     def draft_rows(self, seqs: list[Sequence]) -> DraftRows:
         """The sampling rows of a step's drafts and verification, for these requests."""
@@ -50,6 +55,7 @@ class SpeculativeSteps:
     def speculate(self, prepared: PreparedStep) -> Verified:
         """The device side of a speculative step (a tree's: `grow`)."""
         start = time.perf_counter()
+        self.behind = self.speculator.behind(prepared.sampled)  # before propose catches the draft up
         verified = self.grow(prepared) if prepared.tree is not None else self.draft_and_verify(prepared)
         verified.device_s = time.perf_counter() - start
         return verified
@@ -122,8 +128,15 @@ class SpeculativeSteps:
         self.stats.steps += 1
         self.stats.tokens += sum(num_accepted) + len(seqs)
         self.policy.accept(choice, num_accepted)
-        # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py)
-        self.policy.record(len(seqs), choice, kept / len(seqs), elapsed, measures=steady or not self.ran_plain)
+        # a catch-up on tokens of plain decode steps measures switching, not speculating (adaptive.py);
+        # a choice's first steps run its shapes for the first time and its draft's first catch-up
+        # on every prompt at once (SmolLM2's head at batch 16: k=3 took 745 and 322 ms, then 187):
+        # their time counts, and the policy measures the choice on the steps after them; a warm
+        # catch-up after plain steps prices the next switch
+        self.runs[choice] = self.runs.get(choice, 0) + 1
+        warm, switched = self.runs[choice] > COLD_STEPS, not steady and self.ran_plain
+        self.policy.record(len(seqs), choice, kept / len(seqs), elapsed, measures=warm and not switched,
+                           caught_up=self.behind if warm and switched else 0)
         self.ran_plain = False
 
     def grow(self, prepared: PreparedStep) -> Verified:

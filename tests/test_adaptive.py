@@ -43,10 +43,11 @@ class Simulated:
             a += 1
         return a
 
-    def run(self, batch: int, steps: int, acceptance: tuple[float, ...] = HIGH) -> list[int]:
+    def run(self, batch: int, steps: int, acceptance: tuple[float, ...] = HIGH, room: int = 0) -> list[int]:
+        """`room`: tokens each request may still emit (the policy is told; 0: not told)."""
         choices = []
         for _ in range(steps):
-            k = self.policy.choose(batch)
+            k = self.policy.choose(batch, [room] * batch if room else None, batch * self.held)
             choices.append(k)
             noisy = seconds(batch, k) * (1 + 0.03 * self.rng.gauss(0, 1))
             if k == 0:
@@ -56,7 +57,8 @@ class Simulated:
             num_accepted = [self.accepted(k, acceptance) for _ in range(batch)]
             self.policy.accept(k, num_accepted)
             catch_up = self.catch_up * batch * self.held
-            self.policy.record(batch, k, 1 + sum(num_accepted) / batch, noisy + catch_up, measures=not self.ran_plain)
+            self.policy.record(batch, k, 1 + sum(num_accepted) / batch, noisy + catch_up, measures=not self.ran_plain,
+                               caught_up=batch * self.held if self.ran_plain else 0)
             self.ran_plain, self.held = False, 0
         return choices
 
@@ -153,6 +155,27 @@ def test_speculates_at_low_load_after_a_high_load_where_it_lost():
                 assert rate(batch, policy.leaders[batch], HIGH) >= 0.95 * best
             else:
                 assert speculated <= 3 and policy.leaders[batch] == 0, (batch, choices)
+
+
+@pytest.mark.parametrize("room", [4, 2000])
+def test_prices_a_switch_against_the_tokens_requests_have_left(room):
+    """After plain decoding at batch 16 (every length loses there; its explorations' catch-ups
+    price a switch), the batch falls to 4, where k=2-3 gain 20-22% per step, while its requests
+    hold 256 plainly decoded positions each: a switch first catches the draft up on them (~4
+    plain steps' time). With 2000 tokens left per request the gain pays for that and the policy
+    speculates; with 4 left it would not, and it stays plain. Without the price it would switch
+    in both (the low-load test above)."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy, catch_up=0.00005)
+    sim.run(16, 600)
+    assert policy.leaders[16] == 0 and policy.switch_price == pytest.approx(0.00005, rel=0.2)
+    sim.held = 256
+    choices = sim.run(4, 100, HIGH, room)
+    if room > 100:
+        assert sum(k > 0 for k in choices[2:]) >= 0.95 * 98 and policy.leaders[4] != 0, choices
+    else:
+        assert sum(k > 0 for k in choices[2:]) == 0 and policy.leaders[4] == 0, choices
+        assert max(policy.predicted[4][k] for k in (2, 3)) > 1.15 * policy.predicted[4][0]  # per step, unpriced
 
 
 def test_predicts_a_length_never_run_from_per_position_acceptance():

@@ -1,5 +1,6 @@
 """Speculative decoding: greedy identity with every mode, lossless sampling, expected accept
 lengths, logprobs and penalties under speculation."""
+import itertools
 import math
 
 import pytest
@@ -254,7 +255,10 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
     """A speculative step that first catches the draft up on tokens of plain decode steps
     measures what switching costs, so the adaptive policy counts its time but does not measure
     the choice with it; the catch-up on a new request's prompt recurs with every request and
-    measures it."""
+    measures it. A length's first COLD_STEPS steps in the engine (its first shapes) count for
+    their time only. A warm catch-up after plain steps reports the decoded positions it caught up
+    on beyond a steady step's, which price the next switch."""
+    from moespec.verification import COLD_STEPS
     path = deepseek_mtp if mode == "mtp" else llama_pair[0]
     spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": True}
     if mode == "draft":
@@ -269,22 +273,35 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
         return proposal
 
     engine.speculator.propose = watch_propose
-    engine.policy.record = lambda batch, k, tokens, seconds, measures=True: (
-        events.append(("record", k) if measures else ("time only", k)), record(batch, k, tokens, seconds, measures))
-    lengths = iter([2, 2, 0, 0, 2, 2, 2] + [1] * 30)  # the policy's choices, scripted
-    engine.policy.choose = lambda batch_size, rooms=None: next(lengths)
-    llm.generate(prompts([20]), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    after_plain, kinds = False, []
+    switches = []  # (draft length, positions caught up) of warm catch-ups after plain steps
+
+    def watch_record(batch, k, tokens, seconds, measures=True, caught_up=0):
+        events.append(("record", k) if measures else ("time only", k))
+        if caught_up:
+            switches.append((k, caught_up))
+        record(batch, k, tokens, seconds, measures, caught_up)
+
+    engine.policy.record = watch_record
+    # the policy's choices, scripted: 5 plain steps leave the draft 6 positions behind, 3 past a steady step's 1 + K
+    lengths = itertools.chain([2, 2, 2, 0, 0, 0, 0, 0, 2, 2, 2], itertools.repeat(1))
+    engine.policy.choose = lambda batch_size, rooms=None, behind=0: next(lengths)
+    for prompt in (prompts([20]), prompts([17], seed=3)):  # the second's prompt: a catch-up on a warm length
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    after_plain, kinds, runs = False, [], {}
     for i, (event, value) in enumerate(events):
         if event == "record" and value == 0:
             after_plain = True
         elif event == "propose":
+            k = events[i + 1][1]
+            runs[k] = runs.get(k, 0) + 1
             recorded = i + 1 < len(events) and events[i + 1][0] == "record" and events[i + 1][1] > 0
-            assert recorded == (value or not after_plain), (i, events)
+            assert recorded == (runs[k] > COLD_STEPS and (value or not after_plain)), (i, events)
             assert recorded or events[i + 1][0] == "time only", (i, events)  # its time still counts
-            kinds.append("steady" if value else "after plain" if after_plain else "after prefill")
+            kinds.append(("steady" if value else "after plain" if after_plain else "after prefill", recorded))
             after_plain = False
-    assert kinds[0] == "after prefill" and "after plain" in kinds and "steady" in kinds, kinds
+    assert kinds[0] == ("after prefill", False) and ("after plain", False) in kinds, kinds  # cold; switching
+    assert len(switches) == 1 and switches[0][0] == 2 and switches[0][1] >= 3, switches  # it prices the next switch
+    assert ("steady", True) in kinds and ("after prefill", True) in kinds, kinds  # a new prompt's catch-up measures
     assert sum(1 for e in events if e == ("record", 0)) >= 2  # plain steps are measured too
 
 
@@ -355,7 +372,6 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     the KV cache, all in one buffer allocated once (a slot per running request, given back on
     release: nothing allocated per step that outlives it), and after plain steps the next
     proposal still catches up (it does not feed the adaptive policy)."""
-    import itertools
     k, max_num_seqs, num_kv_pages, page_size = 2, 3, 256, 4
     limit = max(1 + k, hold)
     batch = prompts([40, 57, 33, 71, 25, 48, 9, 62], seed=12)
@@ -368,7 +384,7 @@ def test_mtp_holds_hidden_states_by_running_requests_not_kv_capacity(deepseek_mt
     assert spec.hold_limit == limit and spec.max_pending_tokens == max_num_seqs * limit
     assert spec.state_bytes() == max_num_seqs * limit * engine.model.config.hidden_size * 4  # float32 tiny model
     lengths = itertools.cycle([2, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 2, 2, 0, 0, 1])  # the policy's choices, scripted
-    engine.policy.choose = lambda batch_size, rooms=None: next(lengths)
+    engine.policy.choose = lambda batch_size, rooms=None, behind=0: next(lengths)
     flushed, propose, flush = [], spec.propose, spec.flush
     spec.flush = lambda seqs: (flushed.append(len(seqs)), flush(seqs))[1]
     after_plain = []

@@ -35,9 +35,13 @@ of the bucket's steps and of its time, so at a batch size where plain decoding i
 win, speculating to find out costs at most that (a run starts only while the budget holds; the
 run itself may overdraw it once). A switch from plain decoding starts with a catch-up step: the
 draft runs over every position it skipped, at batch 64 several plain steps' worth. It measures
-switching, not the choice, so only its time counts. Before any prediction exists, each
-candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted from it), and plain
-decoding runs `min_samples` steps at every bucket it meets.
+switching, not the choice, so only its time counts, and its time beyond a steady step's, per
+position caught up, prices the next switch: a draft is predicted at the rate it would keep over
+the tokens the step's requests have left, its catch-up included (`priced`). Near the end of
+requests that hold long histories, a draft that wins per step loses once the switch is paid.
+Before any prediction exists, each candidate runs `min_samples` steps once (the first bucket the
+engine meets; others are predicted from it), and plain decoding runs `min_samples` steps at
+every bucket it meets.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -156,9 +160,10 @@ class StepCosts:
         samples = self.samples.get(family(choice), {}).get(log2_bucket(batch_size))
         return 0 if samples is None else samples.added
 
-    def predict(self, batch_size: int, choice: Choice) -> tuple[float, float] | None:
-        """Seconds of one step and its standard error; None before the family has a sample."""
-        fitted = self.fitted(family(choice), log2_bucket(batch_size), choice)
+    def predict(self, batch_size: int, choice: Choice, peek: bool = False) -> tuple[float, float] | None:
+        """Seconds of one step and its standard error; None before the family has a sample.
+        `peek`: from the fits as they stand, none redone or counted as used for it."""
+        fitted = self.fitted(family(choice), log2_bucket(batch_size), choice, peek)
         if fitted is None:
             return None
         theta, inverse, noise, floor = fitted
@@ -166,20 +171,22 @@ class StepCosts:
         seconds = max(float(x @ theta), floor)
         return seconds, math.sqrt(noise * float(x @ inverse @ x))
 
-    def fitted(self, key, where: int, choice: Choice) -> tuple | None:
+    def fitted(self, key, where: int, choice: Choice, peek: bool = False) -> tuple | None:
         """The family's fit at a log2 bucket, redone after a new sample (its own, or plain
         decoding's, which sets its prior), at most once per `refit_every` predictions or samples."""
         if key not in self.samples:
             return None
         added = self.added[key] + (self.added.get("plain", 0) if key != "plain" else 0)
         cached = self.fits.get((key, where))
+        if peek:
+            return cached[2] if cached else self.fit(self.samples[key], where, self.prior(choice, where, peek))
         if cached is None or (added > cached[0] and (cached[1] >= self.refit_every
                                                      or added - cached[0] >= self.refit_every)):
             cached = self.fits[key, where] = [added, 0, self.fit(self.samples[key], where, self.prior(choice, where))]
         cached[1] += 1
         return cached[2]
 
-    def prior(self, choice: Choice, where: int) -> np.ndarray | None:
+    def prior(self, choice: Choice, where: int, peek: bool = False) -> np.ndarray | None:
         """What the slope terms shrink toward (the ridge's centre): for plain decoding 0; for a
         draft its verify's share of plain decoding's slope at this bucket, a chain of k verifying
         1 + k tokens per request and a tree its nodes. So a draft measured at one batch size only
@@ -187,7 +194,7 @@ class StepCosts:
         step at least), not flat: at a low load the draft is predicted cheaper there and tried."""
         if choice == 0 or "plain" not in self.samples:
             return None
-        slope = max(float(self.fitted("plain", where, 0)[0][1]), 0.0)  # seconds per 16 requests
+        slope = max(float(self.fitted("plain", where, 0, peek)[0][1]), 0.0)  # seconds per 16 requests
         if isinstance(choice, TreeShape):
             return np.array([0.0, slope * (1 + choice.num_draft_tokens)])
         return np.array([0.0, 0.0, slope, slope])  # a + d*k + b*B + e*B*k: B*(1+k) tokens verified
@@ -326,6 +333,7 @@ class SpeculationPolicy:
         self.runs: dict[int, tuple[Choice, int]] = {}  # bucket -> (choice, steps left) of an exploration
         self.seconds: dict[int, float] = {}  # bucket -> wall time of its steps
         self.explored_seconds: dict[int, float] = {}  # bucket -> ... of them running a choice not the leader
+        self.switches = [0.0, 0.0]  # catch-up seconds beyond steady steps, positions caught up (decaying sums)
 
     def table_k(self, batch_size: int) -> int:
         k = self.max_tokens
@@ -349,9 +357,10 @@ class SpeculationPolicy:
         """Steps that ran a choice to measure it rather than because it was predicted fastest."""
         return self.first_steps + sum(self.explored.values())
 
-    def choose(self, batch_size: int, rooms: list[int] | None = None) -> Choice:
+    def choose(self, batch_size: int, rooms: list[int] | None = None, behind: int = 0) -> Choice:
         """The choice for a decode step of batch_size requests; `rooms`: the tokens each may
-        still emit, where known."""
+        still emit, where known; `behind`: positions a draft would first catch up on, beyond a
+        steady step's (their sum over the requests)."""
         k = self.table_k(batch_size)
         if k == 0:
             return 0
@@ -359,11 +368,11 @@ class SpeculationPolicy:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        choice = self.decide(bucket, batch_size, k, rooms)
+        choice = self.decide(bucket, batch_size, k, rooms, behind)
         self.acceptance.tick(choice != 0)
         return choice
 
-    def decide(self, bucket: int, batch_size: int, k: int, rooms: list[int] | None = None) -> Choice:
+    def decide(self, bucket: int, batch_size: int, k: int, rooms: list[int] | None = None, behind: int = 0) -> Choice:
         choices = self.candidates(k)
         unmeasured = [c for c in choices if self.costs.count(c) < self.min_samples]
         if not unmeasured and self.costs.count_at(0, batch_size) < self.min_samples:
@@ -374,6 +383,8 @@ class SpeculationPolicy:
         predictions = {c: self.predict(batch_size, c, rooms) for c in choices}
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
         self.predicted_batch[bucket] = batch_size
+        if behind and rooms and self.switch_price:
+            predictions = {c: self.priced(p, c, behind * self.switch_price, sum(rooms)) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, predictions)
         probe = self.probe(bucket, leader, predictions)
         return leader if probe is None else self.explore(bucket, probe)
@@ -387,6 +398,20 @@ class SpeculationPolicy:
         tokens = self.acceptance.tokens(choice, rooms) or (1.0, 1.0)  # a choice without counts: anything from 1 token
         error = math.hypot(seconds_error / seconds, tokens[1] / tokens[0])
         return Prediction(batch_size * tokens[0] / seconds, error)
+
+    @property
+    def switch_price(self) -> float:
+        """Seconds a catch-up costs per position, beyond a steady step (0 before one is measured)."""
+        seconds, positions = self.switches
+        return max(seconds, 0.0) / positions if positions else 0.0
+
+    @staticmethod
+    def priced(prediction: Prediction, choice: Choice, switch_s: float, tokens_left: int) -> Prediction:
+        """A draft's rate over the `tokens_left` its requests may still emit, `switch_s` of
+        catch-up first (plain decoding pays none)."""
+        if choice == 0:
+            return prediction
+        return Prediction(tokens_left / (tokens_left / prediction.rate + switch_s), prediction.error)
 
     def lead(self, bucket: int, predictions: dict[Choice, Prediction]) -> Choice:
         """The leader stays unless another is predicted `margin` faster, except that plain
@@ -420,17 +445,21 @@ class SpeculationPolicy:
         return choice
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
-               measures: bool = True) -> None:
+               measures: bool = True, caught_up: int = 0) -> None:
         """A step that ran choice k and kept `tokens_per_request` (drafts past a request's end are
         not kept): its time counts for the bucket's exploration budget (as exploration where k
         is not the bucket's leader); where it `measures` k, it feeds the step costs, the
-        acceptance and the measured rates too."""
+        acceptance and the measured rates too; where it first `caught_up` the draft on that many
+        positions after plain steps, its time beyond a steady step's prices a switch."""
         if not self.adaptive:
             return
         bucket = self.bucket(batch_size)
         self.seconds[bucket] = self.seconds.get(bucket, 0.0) + seconds
         if self.leaders.get(bucket, k) != k:
             self.explored_seconds[bucket] = self.explored_seconds.get(bucket, 0.0) + seconds
+        if caught_up and self.costs.count(k):
+            steady, _ = self.costs.predict(batch_size, k, peek=True)
+            self.switches = [0.8 * self.switches[0] + seconds - steady, 0.8 * self.switches[1] + caught_up]
         if not measures:
             return
         self.costs.add(batch_size, k, seconds)

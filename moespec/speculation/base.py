@@ -70,6 +70,13 @@ class Speculator:
         lockstep when the draft's forwards carry expert-parallel MoE layers)."""
         return False
 
+    def behind(self, seqs: list[Sequence]) -> int:
+        """Decoded positions of these requests that `propose` would first catch the draft up on,
+        beyond a steady step's 1 + K, summed: what a switch from plain decoding costs (a prompt's
+        positions are not counted: every new request's recur, a steady step's cost)."""
+        return sum(max(0, min(s.num_tokens - self.kv_tokens(s), s.metrics.num_generated_tokens) - 1 - self.max_tokens)
+                   for s in seqs)
+
     def needs_flush(self, chunks: list[ScheduledChunk]) -> bool:
         """Whether `observe` after a plain target forward over these chunks runs a draft forward."""
         return False
