@@ -222,9 +222,11 @@ def test_metrics_show_the_choice_per_bucket_and_its_rates(deepseek_mtp):
               page_size=4, num_kv_pages=256, max_num_seqs=4)
     llm.generate(prompts([5, 9, 12, 7], seed=3), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                  use_tqdm=False)
+    llm.engine.policy.switches = [0.002, 100.0]  # 2 ms of catch-up over 100 positions, as a switch records them
     metrics = ServerMetrics()
     metrics.observe_engine(llm.engine)
     samples = [s for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples]
+    assert [s.value for s in samples if s.name == "moespec_spec_policy_switch_seconds_per_position"] == [pytest.approx(2e-5)]
     report = llm.engine.policy.report()
     assert 4 in report and report[4]["steps"] > 0
     for bucket, state in report.items():

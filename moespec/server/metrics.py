@@ -59,6 +59,10 @@ class ServerMetrics:
         self.policy_explore = Gauge("moespec_spec_policy_explore_steps",
                                     "Steps that ran a speculation choice to measure it rather than because it was "
                                     "predicted fastest", registry=r)
+        self.policy_switch_price = Gauge("moespec_spec_policy_switch_seconds_per_position",
+                                         "What a switch from plain decoding to drafting costs: seconds of catch-up "
+                                         "beyond a steady step per position the draft catches up on (recent switches)",
+                                         registry=r)
         self.rank_running = Gauge("moespec_rank_requests_running", "Sequences in a rank's running batch", ["rank"],
                                   registry=r)
         self.rank_waiting = Gauge("moespec_rank_requests_waiting", "Sequences waiting on a rank", ["rank"],
@@ -127,6 +131,7 @@ class ServerMetrics:
         if not policy.adaptive:
             return
         self.policy_explore.set(policy.explore_total)
+        self.policy_switch_price.set(policy.switch_price)
         for bucket, state in policy.report().items():
             self.policy_predicted_batch.labels(bucket=str(bucket)).set(state["predicted_batch"])
             for choice in {state["choice"], *state["predicted"], *state["measured"]}:
