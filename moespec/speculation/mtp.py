@@ -121,7 +121,10 @@ class MTPSpeculator(Speculator):
         return hold_limit(self.max_tokens, self.hold_tokens, self.sync is not None)
 
     def state(self, seq: Sequence) -> MTPState:
-        return self.states.setdefault(seq.request_id, MTPState())
+        state = self.states.get(seq.request_id)
+        if state is None:
+            state = self.states[seq.request_id] = MTPState()
+        return state
 
     def release(self, seq: Sequence) -> None:
         state = self.states.pop(seq.request_id, None)
@@ -202,8 +205,7 @@ class MTPSpeculator(Speculator):
                 state.num_pending += 1
             else:
                 state.hold(hidden[row: row + n])
-            limit = 1 + self.max_tokens if self.flush_prompts and not chunk.is_decode else hold_limit
-            if state.num_pending > limit:
+            if state.num_pending > (1 + self.max_tokens if self.flush_prompts and not chunk.is_decode else hold_limit):
                 over.append(seq)
             row += n
         if rows:
