@@ -374,9 +374,8 @@ class Engine:
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
             lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
-            rooms = rooms_left(chunks, lengths, self.max_model_len)
             behind = spec.behind([c.seq for c in chunks]) if self.policy.switch_price else 0  # priced once measured
-            choice = self.policy.choose(len(chunks), rooms, behind)
+            choice = self.policy.choose(len(chunks), rooms_left(chunks, lengths, self.max_model_len), behind)
             k_wish = self.fit_choice(choice, lengths)
             room = min(self.max_model_len - n for n in lengths) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])
