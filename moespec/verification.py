@@ -55,7 +55,8 @@ class SpeculativeSteps:
     def speculate(self, prepared: PreparedStep) -> Verified:
         """The device side of a speculative step (a tree's: `grow`)."""
         start = time.perf_counter()
-        self.behind = self.speculator.behind(prepared.sampled)  # before propose catches the draft up
+        # before propose catches the draft up; only a step after plain ones prices a switch
+        self.behind = self.speculator.behind(prepared.sampled) if self.ran_plain else 0
         verified = self.grow(prepared) if prepared.tree is not None else self.draft_and_verify(prepared)
         verified.device_s = time.perf_counter() - start
         return verified
