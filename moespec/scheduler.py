@@ -14,6 +14,7 @@ twice (requests sharing a system prompt, arriving together, or the n completions
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,8 +57,9 @@ class SchedulerOutput:
     # requests admitted with cached pages: (seq, how many of those tokens the speculator's caches hold)
     hits: list[tuple[Sequence, int]] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def mode(self) -> str:
+        """Read once per step by the engine and the batch (its chunks are not changed after)."""
         decode = sum(c.is_decode for c in self.chunks)
         return "decode" if decode == len(self.chunks) else "prefill" if decode == 0 else "mixed"
 
