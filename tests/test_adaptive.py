@@ -115,46 +115,52 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
 
 
 def test_follows_a_shift_in_acceptance():
-    """Batch 8, 8 seeds: speculation while acceptance is high (7 seeds of 8), plain decoding
-    within 60 steps of it falling, speculation again after it rises, found by exploration while
-    plain decoding runs (within its share): within 1000 steps in every seed, 700 in the median
-    (a rise shows only through a few explored steps, whose counts are outweighed by the low ones
-    still held; the seeds spread over 100-900 steps)."""
-    backs, speculating = [], 0
+    """Batch 4, 8 seeds: speculation while acceptance is high, plain decoding within 60 steps of
+    it falling, speculation again after it rises, found by exploration while plain decoding runs
+    (within its share): within 600 steps in every seed, 400 in the median (a rise shows only
+    through a few explored steps, whose counts are outweighed by the low ones still held; 12
+    seeds spread over 14-542 steps). At batch 8, where the best length gains 7% (near the 5%
+    margin), whether a seed returns turns on noise: 2 of 12 did not within 1500 steps."""
+    backs = []
     for seed in range(8):
         policy = SpeculationPolicy(3)
         sim = Simulated(policy, seed)
-        before = sim.run(8, 600, HIGH)  # k=1-2 gain 7% here, near the 5% margin: one seed wavers
-        speculating += policy.leaders[8] != 0 and sum(k > 0 for k in before[-300:]) >= 0.97 * 300
-        fallen = sim.run(8, 600, LOW)
-        assert fallen[60:].count(0) >= 0.97 * len(fallen[60:]) and policy.leaders[8] == 0
-        risen = sim.run(8, 1000, HIGH)
+        before = sim.run(4, 600, HIGH)  # k=2-3 gain 20-22% here
+        assert policy.leaders[4] != 0 and sum(k > 0 for k in before[-300:]) >= 0.97 * 300
+        fallen = sim.run(4, 600, LOW)
+        assert fallen[60:].count(0) >= 0.97 * len(fallen[60:]) and policy.leaders[4] == 0
+        risen = sim.run(4, 1000, HIGH)
         backs.append(next(i for i in range(len(risen) - 50) if all(k > 0 for k in risen[i:i + 50])))
-        assert policy.leaders[8] != 0  # k=1..3 are within 5% of each other here
-        assert policy.explored[8] <= 0.02 * policy.steps[8]
-    assert speculating >= 7 and sorted(backs)[4] < 700, (speculating, backs)
+        assert policy.leaders[4] != 0
+        assert policy.explored[4] <= 0.02 * policy.steps[4]
+    assert max(backs) < 600 and sorted(backs)[4] < 400, backs
 
 
 def test_speculates_at_low_load_after_a_high_load_where_it_lost():
     """A draft measured only at batch 16, where every length loses, is predicted at batch 1-8
     from how plain decoding's steps shrink there (its verify part), not flat from batch 16: once
     plain decoding's 2 steps are measured at each smaller bucket, it speculates there with high
-    acceptance (1.06-1.45x plain decoding in the simulated model), and not with low."""
+    acceptance where a draft gains more than the margin's noise (1.22-1.45x plain decoding at
+    batch 4-1 in the simulated model; at batch 8, 1.08x, either choice), and not with low. At
+    batch 16 its exploration, catch-ups included, stays within 2% of the time (5.2% when a run
+    could start whatever its catch-up cost)."""
     for acceptance in (HIGH, LOW):
         policy = SpeculationPolicy(3)
         sim = Simulated(policy, catch_up=0.00005)
         sim.run(16, 600, acceptance)
         assert policy.leaders[16] == 0
+        assert policy.explored_seconds.get(16, 0.0) <= 0.02 * policy.seconds[16]  # catch-ups included
         for batch in (8, 4, 2, 1):
             choices = sim.run(batch, 100, acceptance)
             assert choices[:2] == [0, 0]  # plain decoding measured at the bucket first
             speculated = sum(k > 0 for k in choices[2:])
-            if acceptance is HIGH:
+            best = max(rate(batch, k, acceptance) for k in (1, 2, 3))
+            if best > 1.1 * rate(batch, 0, acceptance):  # batch 4-1 with high acceptance: 1.22-1.45x
                 assert speculated >= 0.95 * 98 and policy.leaders[batch] != 0, (batch, choices)
-                best = max(rate(batch, k, HIGH) for k in (1, 2, 3))
-                assert rate(batch, policy.leaders[batch], HIGH) >= 0.95 * best
-            else:
+                assert rate(batch, policy.leaders[batch], acceptance) >= 0.95 * best
+            elif best < rate(batch, 0, acceptance):
                 assert speculated <= 3 and policy.leaders[batch] == 0, (batch, choices)
+            # batch 8 with high acceptance: 1.08x, near the 5% margin, either choice is as good
 
 
 @pytest.mark.parametrize("room", [4, 2000])
@@ -175,7 +181,8 @@ def test_prices_a_switch_against_the_tokens_requests_have_left(room):
         assert sum(k > 0 for k in choices[2:]) >= 0.95 * 98 and policy.leaders[4] != 0, choices
     else:
         assert sum(k > 0 for k in choices[2:]) == 0 and policy.leaders[4] == 0, choices
-        assert max(policy.predicted[4][k] for k in (2, 3)) > 1.15 * policy.predicted[4][0]  # per step, unpriced
+        # per step (unpriced) a draft leads by more than the margin: without the price it would switch
+        assert max(policy.predicted[4][k] for k in (2, 3)) > (1 + policy.margin) * policy.predicted[4][0]
 
 
 def test_predicts_a_length_never_run_from_per_position_acceptance():
@@ -270,6 +277,38 @@ def test_a_bucket_measured_alone_never_predicts_smaller_batches_slower():
         costs.add(batch, 0, times[batch])
     predicted, _ = costs.predict(4, 0)
     assert predicted <= sum(times.values()) / len(times) * 1.001
+
+
+def test_a_first_step_at_a_batch_size_counts_but_is_not_fitted():
+    """A choice's first step at a batch size runs its shapes for the first time (on the CPU a
+    kernel is built per new row count), a cost its later steps there never pay: it counts as a
+    step, and the prediction comes from the steps after it."""
+    from moespec.speculation.adaptive import StepCosts
+    costs = StepCosts()
+    for batch in (8, 8, 8, 8, 12, 12, 12, 12, 12):
+        cold = (0, batch) not in costs.shapes and costs.samples
+        costs.add(batch, 0, seconds(batch, 0) * (3 if cold else 1))
+    assert costs.count(0) == 9 and costs.count_at(0, 12) == 5
+    assert costs.predict(12, 0)[0] == pytest.approx(seconds(12, 0), rel=0.02)  # fitting it: +27%
+
+
+def test_a_chain_measured_in_one_bucket_never_predicts_smaller_batches_slower():
+    """Chain steps at batch sizes 33..64 only (one bucket), their times falling with B by noise
+    (the batch drains while the machine is busier), plain decoding measured at batch 1 to 64: a
+    chain fit through them would predict batch 8 slower than any chain step seen, and the policy
+    would never try a draft there; its slopes take the prior's instead (plain decoding's per
+    verified token), so batch 8 is predicted cheaper than batch 64."""
+    from moespec.speculation.adaptive import StepCosts
+    costs, rng, seen = StepCosts(), random.Random(0), {1: [], 2: [], 3: []}
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        for _ in range(4):
+            costs.add(batch, 0, seconds(batch, 0))
+    for i in list(range(48)) * 2:  # each (length, batch size) twice
+        batch, k = 33 + i % 32, 1 + i % 3
+        seen[k].append(seconds(64, k) * (1.4 - 0.4 * (batch - 33) / 31) * (1 + 0.01 * rng.gauss(0, 1)))
+        costs.add(batch, k, seen[k][-1])
+    for k in (1, 2, 3):
+        assert costs.predict(8, k)[0] < min(seen[k]) and costs.predict(8, k)[0] < costs.predict(64, k)[0]
 
 
 def test_plain_decoding_is_measured_at_every_bucket_it_meets():

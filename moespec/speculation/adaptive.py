@@ -10,8 +10,9 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
   (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
   (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
-  taken in a burst of load) reweighted once; a line in B alone never slopes down (a bucket's
-  batch sizes are too close together to tell its slope from noise). Samples weigh less the
+  taken in a burst of load) reweighted once; a line in B never slopes down (a bucket's
+  batch sizes are too close together to tell its slope from noise: plain decoding's is then
+  its weighted mean), and a chain's slope is at least the prior's below. Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge
@@ -32,16 +33,18 @@ Each prediction has a standard error (the fit's, and the acceptance counts'). A 
 than the leader runs only where its optimistic rate (2 standard errors up) beats the leader's,
 `explore_steps` steps in a row, and only while exploration stays within `explore_share` (2%)
 of the bucket's steps and of its time, so at a batch size where plain decoding is predicted to
-win, speculating to find out costs at most that (a run starts only while the budget holds; the
-run itself may overdraw it once). A switch from plain decoding starts with a catch-up step: the
-draft runs over every position it skipped, at batch 64 several plain steps' worth. It measures
-switching, not the choice, so only its time counts, and its time beyond a steady step's, per
-position caught up, prices the next switch: a draft is predicted at the rate it would keep over
-the tokens the step's requests have left, its catch-up included (`priced`). Near the end of
-requests that hold long histories, a draft that wins per step loses once the switch is paid.
-Before any prediction exists, each candidate runs `min_samples` steps once (the first bucket the
-engine meets; others are predicted from it), and plain decoding runs `min_samples` steps at
-every bucket it meets.
+win, speculating to find out costs at most that (a run starts only while the budget holds; a
+bucket's first run may overdraw it once). A switch from plain decoding starts with a catch-up
+step: the draft runs over every position it skipped, at batch 64 several plain steps' worth. It
+measures switching, not the choice, so only its time counts, and its time beyond a steady
+step's, per position caught up, prices the next switch: a draft is predicted at the rate it
+would keep over the tokens the step's requests have left, its catch-up included (`priced`), and
+after a bucket's first run, a run starts only where its predicted catch-up fits the budget too.
+Near the end of requests that hold long histories, a draft that wins per step loses once the
+switch is paid. Before any prediction exists, each candidate runs `min_samples` steps once (the
+first bucket the engine meets; others are predicted from it), and plain decoding runs
+`min_samples` steps at every bucket it meets. A choice's first step at a batch size counts for
+its time only (`StepCosts.add`): it runs its shapes for the first time.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -142,23 +145,34 @@ class StepCosts:
         self.samples: dict[object, dict[int, Samples]] = {}  # family -> log2 bucket -> its steps
         self.added: dict[object, int] = {}  # family -> samples so far
         self.counts: dict[Choice, int] = {}
+        self.counts_at: dict[tuple[object, int], int] = {}  # (family, log2 bucket) -> steps
+        self.shapes: set[tuple[Choice, int]] = set()  # (choice, batch size) of the steps so far
         # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
         self.fits: dict[tuple[object, int], list] = {}
 
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
-        x, key = features(choice, batch_size), family(choice)
-        buckets = self.samples.setdefault(key, {})
-        buckets.setdefault(log2_bucket(batch_size), Samples(self.window, len(x))).add(x, seconds)
-        self.added[key] = self.added.get(key, 0) + 1
+        """A step's seconds. The first at a (choice, batch size) counts but is not fitted once
+        its family has samples: its shapes ran for the first time (on the CPU, oneDNN builds a
+        kernel per new row count: a draining batch's chain steps took 1.4x per request), which
+        the steps after it never pay."""
+        shape, key, bucket = (choice, batch_size), family(choice), log2_bucket(batch_size)
         self.counts[choice] = self.counts.get(choice, 0) + 1
+        self.counts_at[key, bucket] = self.counts_at.get((key, bucket), 0) + 1
+        first = shape not in self.shapes
+        self.shapes.add(shape)
+        if first and key in self.samples:
+            return
+        x = features(choice, batch_size)
+        buckets = self.samples.setdefault(key, {})
+        buckets.setdefault(bucket, Samples(self.window, len(x))).add(x, seconds)
+        self.added[key] = self.added.get(key, 0) + 1
 
     def count(self, choice: Choice) -> int:
         return self.counts.get(choice, 0)
 
     def count_at(self, choice: Choice, batch_size: int) -> int:
         """Steps of choice's family run at batch_size's bucket."""
-        samples = self.samples.get(family(choice), {}).get(log2_bucket(batch_size))
-        return 0 if samples is None else samples.added
+        return self.counts_at.get((family(choice), log2_bucket(batch_size)), 0)
 
     def predict(self, batch_size: int, choice: Choice, peek: bool = False) -> tuple[float, float] | None:
         """Seconds of one step and its standard error; None before the family has a sample.
@@ -200,11 +214,14 @@ class StepCosts:
         return np.array([0.0, 0.0, slope, slope])  # a + d*k + b*B + e*B*k: B*(1+k) tokens verified
 
     def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray,
-              prior: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+              prior: np.ndarray | None = None, pinned: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Coefficients [F] and the inverse normal matrix [F, F]; the slope terms shrink toward
-        `prior` [F] (0 without), the intercept not at all."""
+        `prior` [F] (0 without), the intercept not at all; `pinned`: a chain's slopes in B are
+        the prior's."""
         penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
         penalty[0] = 1e-9
+        if pinned:
+            penalty[2:] = 1e6 * w.sum()
         inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
         centre = 0.0 if prior is None else penalty * prior
         return inverse @ ((x * w[:, None]).T @ y + centre), inverse
@@ -225,8 +242,13 @@ class StepCosts:
         w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
         theta, inverse = self.solve(x, y, w, prior)
         mean = float((w * y).sum() / w.sum())
+        floor = np.zeros(x.shape[1]) if prior is None else prior  # the least slopes in B
         if x.shape[1] == 2 and theta[1] < 0:  # a + b*B sloping down: the weighted mean instead
             theta = np.array([mean, 0.0])
+        elif x.shape[1] == 4 and min((theta - floor)[2:] @ [1.0, k] for k in (1.0, float(x[:, 1].max()))) < 0:
+            # a chain whose step grows with B slower than its verify's tokens would in plain
+            # decoding, for some length: its slopes at the prior's
+            theta, inverse = self.solve(x, y, w, prior, pinned=True)
         residual = y - x @ theta
         dof = max(w.sum() - x.shape[1], 1.0)
         noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
@@ -295,7 +317,7 @@ class Acceptance:
             return None
         return mean.mean, mean.error(0.25)  # a request's tokens vary by at least half a token
 
-    def chain_tokens(self, k: int, rooms: list[int] | None = None) -> tuple[float, float]:
+    def chain_tokens(self, k: int, rooms: list[int] | np.ndarray | None = None) -> tuple[float, float]:
         """1 + sum_i P(a > i); errors summed (the positions' estimates share their requests).
         With `rooms`, the mean over requests of what a step keeps: a request r tokens from its
         end (max_tokens, the model's length) keeps at most r, so its drafts past r - 1 add
@@ -303,9 +325,10 @@ class Acceptance:
         positions = self.positions[:k]
         error = sum(p.error(0.05) for p in positions)
         sums = list(itertools.accumulate((p.mean for p in positions), initial=0.0))  # [k + 1]
-        if not rooms:
+        if rooms is None or not len(rooms):
             return 1 + sums[k], error
-        return sum(1 + sums[max(0, min(k, r - 1))] for r in rooms) / len(rooms), error
+        ends = np.minimum(np.maximum(np.asarray(rooms) - 1, 0), k)  # [B] the drafts each request keeps at most
+        return 1 + float(np.asarray(sums)[ends].sum()) / len(ends), error
 
     def by_position(self) -> list[float]:
         return [p.mean for p in self.positions]
@@ -380,20 +403,23 @@ class SpeculationPolicy:
         if unmeasured:  # nothing to predict from yet: every candidate runs a few steps, once
             self.first_steps += 1
             return unmeasured[0]
+        rooms = np.asarray(rooms) if rooms else None  # [B] once for every choice's tokens
         predictions = {c: self.predict(batch_size, c, rooms) for c in choices}
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
         self.predicted_batch[bucket] = batch_size
-        if behind and rooms and self.switch_price:
-            predictions = {c: self.priced(p, c, behind * self.switch_price, sum(rooms)) for c, p in predictions.items()}
+        switch_s = behind * self.switch_price  # a draft's catch-up first, from plain decoding
+        if switch_s and rooms is not None:
+            left = int(rooms.sum())
+            predictions = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, predictions)
-        probe = self.probe(bucket, leader, predictions)
+        probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0)
         return leader if probe is None else self.explore(bucket, probe)
 
     def explore(self, bucket: int, choice: Choice) -> Choice:
         self.explored[bucket] = self.explored.get(bucket, 0) + 1
         return choice
 
-    def predict(self, batch_size: int, choice: Choice, rooms: list[int] | None = None) -> Prediction:
+    def predict(self, batch_size: int, choice: Choice, rooms: np.ndarray | None = None) -> Prediction:
         seconds, seconds_error = self.costs.predict(batch_size, choice)
         tokens = self.acceptance.tokens(choice, rooms) or (1.0, 1.0)  # a choice without counts: anything from 1 token
         error = math.hypot(seconds_error / seconds, tokens[1] / tokens[0])
@@ -423,11 +449,14 @@ class SpeculationPolicy:
         fastest = max((c for c in rate if c != 0), key=rate.get, default=0)
         return fastest if fastest and rate[fastest] > (1 + self.margin) * rate[leader] else leader
 
-    def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction]) -> Choice | None:
+    def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction],
+              switch_s: float = 0.0) -> Choice | None:
         """The choice to measure this step: the next step of a run under way (unless its choice
         leads now), or the first of a new run: of the choices that could beat the leader within
         their error, the most promising, if the run keeps exploration within its share of the
-        bucket's steps."""
+        bucket's steps and time. The bucket's first run may overdraw the time; later runs start
+        only where their catch-up (`switch_s`, predicted) fits too: at batch 64 one catch-up on
+        every request's history took 0.86 s, a tenth of a repeat."""
         choice, left = self.runs.pop(bucket, (None, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1)
@@ -435,7 +464,8 @@ class SpeculationPolicy:
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
-        if self.explored_seconds.get(bucket, 0.0) > self.explore_share * self.seconds.get(bucket, 0.0):
+        explored_s = self.explored_seconds.get(bucket, 0.0)
+        if explored_s + (switch_s if explored_s else 0.0) > self.explore_share * self.seconds.get(bucket, 0.0):
             return None
         best = predictions[leader].rate
         hopeful = [c for c, p in predictions.items() if c != leader and p.optimistic > best]
