@@ -305,7 +305,7 @@ class Acceptance:
     def add_step(self, choice: Choice, tokens: float, requests: int) -> None:
         self.steps.setdefault(choice, Mean()).add(tokens * requests, tokens ** 2 * requests, requests)
 
-    def tokens(self, choice: Choice, rooms: list[int] | None = None) -> tuple[float, float] | None:
+    def tokens(self, choice: Choice, rooms: list[int] | np.ndarray | None = None) -> tuple[float, float] | None:
         """Mean tokens per request per step and its standard error; None without data. `rooms`:
         the tokens each request may still emit (a chain's estimate keeps no more)."""
         if choice == 0:
