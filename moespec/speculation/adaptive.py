@@ -43,8 +43,8 @@ after a bucket's first run, a run starts only where its predicted catch-up fits 
 Near the end of requests that hold long histories, a draft that wins per step loses once the
 switch is paid. Before any prediction exists, each candidate runs `min_samples` steps once (the
 first bucket the engine meets; others are predicted from it), and plain decoding runs
-`min_samples` steps at every bucket it meets. A choice's first step at a batch size counts for
-its time only (`StepCosts.add`): it runs its shapes for the first time.
+`min_samples` steps at every bucket it meets. A choice's first step at a batch size counts as a
+step but is not fitted (`StepCosts.add`): it runs its shapes for the first time.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -153,8 +153,9 @@ class StepCosts:
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
         """A step's seconds. The first at a (choice, batch size) counts but is not fitted once
         its family has samples: its shapes ran for the first time (on the CPU, oneDNN builds a
-        kernel per new row count: a draining batch's chain steps took 1.4x per request), which
-        the steps after it never pay."""
+        kernel per new row count), a cost the steps after it do not pay. A precaution: one probe
+        saw k=3's first steps at a mean batch of 51 take 80 ms against 74 ms repeated at 64, a
+        rerun on a busy machine did not (docs/benchmarks.md)."""
         shape, key, bucket = (choice, batch_size), family(choice), log2_bucket(batch_size)
         self.counts[choice] = self.counts.get(choice, 0) + 1
         self.counts_at[key, bucket] = self.counts_at.get((key, bucket), 0) + 1
