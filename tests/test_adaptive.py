@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from moespec.speculation.adaptive import SpeculationPolicy
+from moespec.speculation.adaptive import Prediction, SpeculationPolicy
 
 HIGH = (0.8, 0.6, 0.45)  # P(a >= i): the share of requests whose first i drafts are accepted
 LOW = (0.3, 0.1, 0.03)
@@ -141,13 +141,15 @@ def test_speculates_at_low_load_after_a_high_load_where_it_lost():
     from how plain decoding's steps shrink there (its verify part), not flat from batch 16: once
     plain decoding's 2 steps are measured at each smaller bucket, it speculates there with high
     acceptance where a draft gains more than the margin's noise (1.22-1.45x plain decoding at
-    batch 4-1 in the simulated model; at batch 8, 1.08x, either choice), and not with low. At
-    batch 16 its exploration, catch-ups included, stays within 2% of the time (5.2% when a run
-    could start whatever its catch-up cost)."""
+    batch 4-1 in the simulated model; at batch 8, 1.08x, either choice), and not with low. Over
+    1200 steps at batch 16 its exploration, catch-ups included, stays within 2% of the time (1.4%
+    with high acceptance, none with low; 2.7% and 1.4% when a run started wherever 2 standard
+    errors up reached the leader, whatever the run cost; 5.2% when it could also start whatever
+    its catch-up cost)."""
     for acceptance in (HIGH, LOW):
         policy = SpeculationPolicy(3)
         sim = Simulated(policy, catch_up=0.00005)
-        sim.run(16, 600, acceptance)
+        sim.run(16, 1200, acceptance)
         assert policy.leaders[16] == 0
         assert policy.explored_seconds.get(16, 0.0) <= 0.02 * policy.seconds[16]  # catch-ups included
         for batch in (8, 4, 2, 1):
@@ -321,3 +323,24 @@ def test_plain_decoding_is_measured_at_every_bucket_it_meets():
     choices = sim.run(4, 50)
     assert choices[:2] == [0, 0] and policy.first_steps == first + 2
     assert policy.costs.count_at(0, 4) >= 2 and policy.leaders[4] != 0  # then speculation, which wins there
+
+
+def test_explores_only_where_a_run_may_find_more_than_it_costs():
+    """SmolLM2 at batch 24, T = 0.7, as measured: plain decoding at 237 tok/s, k = 1 at 143 +- 33%
+    (2 standard errors up reach the leader). Its run (3 steps losing 40% and a 0.07 s catch-up)
+    costs 0.29 s and may find 0.04 s over the 200 steps a measurement informs: not run (a run
+    began wherever 2 standard errors reached the leader). With the error at 60%, or a near tie at
+    no catch-up, it is run. The expected gain is E[max(0, X - best)] for X normal."""
+    policy = SpeculationPolicy(1)
+    policy.steps[32], policy.seconds[32] = 1000, 100.0
+    plain = Prediction(237.0, 0.007, 24 / 237)
+    uncertain = Prediction(143.0, 0.333, 24 * 1.08 / 143)
+    assert uncertain.rate * (1 + 2 * uncertain.error) > plain.rate
+    assert policy.probe(32, 0, {0: plain, 1: uncertain}, switch_s=0.074) is None
+    assert policy.worth(plain, uncertain, 0.074) == pytest.approx(0.037 - 0.29, abs=0.01)
+    assert policy.probe(32, 0, {0: plain, 1: Prediction(143.0, 0.6, 0.18)}, switch_s=0.074) == 1
+    policy.runs.clear()
+    assert policy.probe(32, 0, {0: plain, 1: Prediction(230.0, 0.05, 0.11)}) == 1
+    rng = random.Random(0)
+    draws = [max(0.0, rng.gauss(143.0, 47.6) - 237.0) for _ in range(200000)]
+    assert uncertain.expected_gain(237.0) == pytest.approx(sum(draws) / len(draws), rel=0.1)

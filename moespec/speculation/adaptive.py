@@ -30,21 +30,23 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   speculative choice grows until it is worth measuring again.
 
 Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
-than the leader runs only where its optimistic rate (2 standard errors up) beats the leader's,
-`explore_steps` steps in a row, and only while exploration stays within `explore_share` (2%)
-of the bucket's steps and of its time, so at a batch size where plain decoding is predicted to
-win, speculating to find out costs at most that (a run starts only while the budget holds; a
-bucket's first run may overdraw it once). A switch from plain decoding starts with a catch-up
-step: the draft runs over every position it skipped, at batch 64 several plain steps' worth. It
-measures switching, not the choice, so only its time counts, and its time beyond a steady
-step's, per position caught up, prices the next switch: a draft is predicted at the rate it
-would keep over the tokens the step's requests have left, its catch-up included (`priced`), and
-after a bucket's first run, a run starts only where its predicted catch-up fits the budget too.
-Near the end of requests that hold long histories, a draft that wins per step loses once the
-switch is paid. Before any prediction exists, each candidate runs `min_samples` steps once (the
-first bucket the engine meets; others are predicted from it), and plain decoding runs
-`min_samples` steps at every bucket it meets. A choice's first step at a batch size counts as a
-step but is not fitted (`StepCosts.add`): it runs its shapes for the first time.
+than the leader runs, `explore_steps` steps in a row, only where the run is expected to save
+more than it costs (`worth`: what the choice may gain over the leader within its error, for the
+steps one measurement informs, against the run's steps and catch-up), and only while exploration
+stays within `explore_share` (2%) of the bucket's steps and of its time, so at a batch size
+where plain decoding is predicted to win, speculating to find out costs at most that (a run
+starts only while the budget holds; a bucket's first run may overdraw it once). A switch from
+plain decoding starts with a catch-up step: the draft runs over every position it skipped, at
+batch 64 several plain steps' worth. It measures switching, not the choice, so only its time
+counts, and its time beyond a steady step's, per position caught up, prices the next switch: a
+draft is predicted at the rate it would keep over the tokens the step's requests have left, its
+catch-up included (`priced`), and after a bucket's first run, a run starts only where its
+predicted catch-up fits the budget too. Near the end of requests that hold long histories, a
+draft that wins per step loses once the switch is paid. Before any prediction exists, each
+candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
+from it), and plain decoding runs `min_samples` steps at every bucket it meets. A choice's first
+step at a batch size counts as a step but is not fitted (`StepCosts.add`): it runs its shapes
+for the first time.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -96,10 +98,17 @@ class Measure:
 class Prediction:
     rate: float  # tokens per second, all requests of the batch
     error: float  # its standard error relative to the rate
+    seconds: float = 0.0  # one step's
 
-    @property
-    def optimistic(self) -> float:
-        return self.rate * (1 + 2 * self.error)
+    def expected_gain(self, best: float) -> float:
+        """E[max(0, rate - best)] in tokens/s, the true rate taken as normal around the predicted
+        one with its standard error: what measuring this choice may find over `best`."""
+        sigma = self.rate * self.error
+        if sigma <= 0:
+            return max(self.rate - best, 0.0)
+        z = (self.rate - best) / sigma
+        density = math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+        return sigma * density + (self.rate - best) * 0.5 * math.erfc(-z / math.sqrt(2))
 
 
 def family(choice: Choice) -> str | TreeShape:
@@ -409,10 +418,11 @@ class SpeculationPolicy:
         self.predicted[bucket] = {c: p.rate for c, p in predictions.items()}
         self.predicted_batch[bucket] = batch_size
         switch_s = behind * self.switch_price  # a draft's catch-up first, from plain decoding
+        priced = predictions
         if switch_s and rooms is not None:
             left = int(rooms.sum())
-            predictions = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
-        leader = self.leaders[bucket] = self.lead(bucket, predictions)
+            priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
+        leader = self.leaders[bucket] = self.lead(bucket, priced)
         probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0)
         return leader if probe is None else self.explore(bucket, probe)
 
@@ -424,7 +434,7 @@ class SpeculationPolicy:
         seconds, seconds_error = self.costs.predict(batch_size, choice)
         tokens = self.acceptance.tokens(choice, rooms) or (1.0, 1.0)  # a choice without counts: anything from 1 token
         error = math.hypot(seconds_error / seconds, tokens[1] / tokens[0])
-        return Prediction(batch_size * tokens[0] / seconds, error)
+        return Prediction(batch_size * tokens[0] / seconds, error, seconds)
 
     @property
     def switch_price(self) -> float:
@@ -438,7 +448,8 @@ class SpeculationPolicy:
         catch-up first (plain decoding pays none)."""
         if choice == 0:
             return prediction
-        return Prediction(tokens_left / (tokens_left / prediction.rate + switch_s), prediction.error)
+        rate = tokens_left / (tokens_left / prediction.rate + switch_s)
+        return Prediction(rate, prediction.error, prediction.seconds)
 
     def lead(self, bucket: int, predictions: dict[Choice, Prediction]) -> Choice:
         """The leader stays unless another is predicted `margin` faster, except that plain
@@ -453,11 +464,12 @@ class SpeculationPolicy:
     def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction],
               switch_s: float = 0.0) -> Choice | None:
         """The choice to measure this step: the next step of a run under way (unless its choice
-        leads now), or the first of a new run: of the choices that could beat the leader within
-        their error, the most promising, if the run keeps exploration within its share of the
+        leads now), or the first of a new run: the choice whose run is expected to save the most
+        (`worth`), where it saves anything, if the run keeps exploration within its share of the
         bucket's steps and time. The bucket's first run may overdraw the time; later runs start
         only where their catch-up (`switch_s`, predicted) fits too: at batch 64 one catch-up on
-        every request's history took 0.86 s, a tenth of a repeat."""
+        every request's history took 0.86 s, a tenth of a repeat. `predictions`: per step, not
+        priced against the tokens left."""
         choice, left = self.runs.pop(bucket, (None, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1)
@@ -468,12 +480,26 @@ class SpeculationPolicy:
         explored_s = self.explored_seconds.get(bucket, 0.0)
         if explored_s + (switch_s if explored_s else 0.0) > self.explore_share * self.seconds.get(bucket, 0.0):
             return None
-        best = predictions[leader].rate
-        hopeful = [c for c, p in predictions.items() if c != leader and p.optimistic > best]
-        choice = max(hopeful, key=lambda c: predictions[c].optimistic, default=None)
-        if choice is not None:
-            self.runs[bucket] = (choice, self.explore_steps - 1)
+        worth = {c: self.worth(predictions[leader], p, switch_s) for c, p in predictions.items() if c != leader}
+        choice = max(worth, key=worth.get, default=None)
+        if choice is None or worth[choice] <= 0:
+            return None
+        self.runs[bucket] = (choice, self.explore_steps - 1)
         return choice
+
+    def worth(self, leader: Prediction, other: Prediction, switch_s: float) -> float:
+        """Seconds a run measuring `other` is expected to save, less what it costs. It may find
+        `other` faster than the leader (its `expected_gain`, from the error of its prediction),
+        which would then run for as long as one measurement informs the choice: the steps over
+        which plain decoding's decay takes the acceptance counts' weight to 1/e (200). It costs
+        its steps' time beyond the leader's for their tokens, and a draft's catch-up after plain
+        decoding (`switch_s`). SmolLM2 at batch 24, T = 0.7: k = 1 predicted at 143 tok/s +- 33%
+        against plain decoding's 237, 2 standard errors up reach the leader, but a run is
+        expected to gain 0.04 s and costs 0.29 s (3 steps, a catch-up of 0.07 s): not run."""
+        horizon = leader.seconds / (1 - self.acceptance.idle_decay)
+        gain = horizon * other.expected_gain(leader.rate) / leader.rate
+        cost = self.explore_steps * other.seconds * max(0.0, 1 - other.rate / leader.rate) + switch_s
+        return gain - cost
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
                measures: bool = True, caught_up: int = 0) -> None:
