@@ -44,7 +44,9 @@ catch-up included (`priced`), and after a bucket's first run, a run starts only 
 predicted catch-up fits the budget too. Near the end of requests that hold long histories, a
 draft that wins per step loses once the switch is paid. Before any prediction exists, each
 candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
-from it), and plain decoding runs `min_samples` steps at every bucket it meets.
+from it), and plain decoding runs `min_samples` steps at every bucket it meets. A choice's first
+step at a batch size counts as a step but is not fitted (`StepCosts.add`): it runs its shapes
+for the first time.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -153,17 +155,23 @@ class StepCosts:
         self.added: dict[object, int] = {}  # family -> samples so far
         self.counts: dict[Choice, int] = {}
         self.counts_at: dict[tuple[object, int], int] = {}  # (family, log2 bucket) -> steps
+        self.shapes: set[tuple[Choice, int]] = set()  # (choice, batch size) of the steps so far
         # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
         self.fits: dict[tuple[object, int], list] = {}
 
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
-        """A step's seconds, fitted whether or not its choice ran at this batch size before: a
-        draining batch changes size every few steps, so most explored steps are the first of
-        their choice at their size (left out, SmolLM2's k = 1 at batch 33-64 stayed at +-33-56%
-        and was explored again every repeat)."""
-        key, bucket = family(choice), log2_bucket(batch_size)
+        """A step's seconds. The first at a (choice, batch size) counts but is not fitted once
+        its family has samples: its shapes ran for the first time (on the CPU, oneDNN builds a
+        kernel per new row count), a cost the steps after it do not pay. A precaution: one probe
+        saw k=3's first steps at a mean batch of 51 take 80 ms against 74 ms repeated at 64, a
+        rerun on a busy machine did not (docs/benchmarks.md)."""
+        shape, key, bucket = (choice, batch_size), family(choice), log2_bucket(batch_size)
         self.counts[choice] = self.counts.get(choice, 0) + 1
         self.counts_at[key, bucket] = self.counts_at.get((key, bucket), 0) + 1
+        first = shape not in self.shapes
+        self.shapes.add(shape)
+        if first and key in self.samples:
+            return
         x = features(choice, batch_size)
         buckets = self.samples.setdefault(key, {})
         buckets.setdefault(bucket, Samples(self.window, len(x))).add(x, seconds)
