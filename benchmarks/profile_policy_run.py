@@ -2,7 +2,9 @@
 an engine without speculation (`none`) and the config's adaptive one, one after the other, and
 per run the speculating engine's steps as its policy records them: plain steps, speculative
 steps that measure their choice, and those that do not (a catch-up after plain steps, a
-length's cold first steps), each split by whether it ran the bucket's leader or explored.
+length's cold first steps), each split by whether it ran the bucket's leader or explored, and
+what the speculative ones lost against plain decoding (their seconds less the policy's
+predicted plain step at their batch size times the tokens they kept per request).
 
 A run is `--waves` x `--batch` prompts (the first tokens of held-out text), output lengths
 64 +- 50% as `moespec bench --max-tokens-spread 0.5`, after the bench's warm-up. The ratio is
@@ -38,8 +40,9 @@ def build(config, mode: str, batch: int) -> LLM:
 
 
 def watch(policy, parts: dict, steps: list) -> None:
-    """Sum each recorded step's seconds and count into `parts`, by kind; list each measured
-    step in `steps` as (batch size, choice, seconds, the first at its batch size)."""
+    """Sum each recorded step's seconds, count and loss against plain decoding into `parts`, by
+    kind; list each measured step in `steps` as (batch size, choice, seconds, the first at its
+    batch size)."""
     record, seen = policy.record, set()
 
     def recorded(batch_size, k, tokens, seconds, measures=True, caught_up=0):
@@ -49,8 +52,11 @@ def watch(policy, parts: dict, steps: list) -> None:
         kind = "plain" if k == 0 else "speculative" if measures else "speculative, not measured"
         if k and policy.leaders.get(policy.bucket(batch_size), k) != k:
             kind += ", explored"
-        seconds_so_far, count = parts.get(kind, (0.0, 0))
-        parts[kind] = (seconds_so_far + seconds, count + 1)
+        loss = 0.0
+        if k and policy.costs.count(0):  # its tokens at plain decoding's predicted step
+            loss = seconds - tokens * policy.costs.predict(batch_size, 0, peek=True)[0]
+        seconds_so_far, count, lost = parts.get(kind, (0.0, 0, 0.0))
+        parts[kind] = (seconds_so_far + seconds, count + 1, lost + loss)
         return record(batch_size, k, tokens, seconds, measures, caught_up)
 
     policy.record = recorded
@@ -91,8 +97,9 @@ def main() -> None:
         spec = seconds[config.speculation.mode]
         print(f"run {run}: none {seconds['none']:.2f} s, speculating {spec:.2f} s "
               f"({spec / seconds['none']:.3f}x); first measurements {policy.first_steps - first}")
-        for kind, (s, n) in sorted(parts.items()):
-            print(f"   {kind:36s} {n:4d} steps {s:7.3f} s ({100 * s / spec:4.1f}% of the run)")
+        for kind, (s, n, lost) in sorted(parts.items()):
+            print(f"   {kind:36s} {n:4d} steps {s:7.3f} s ({100 * s / spec:4.1f}% of the run)"
+                  + (f", {lost:+.3f} s against plain decoding" if kind != "plain" else ""))
     if args.cycle:
         report_first_steps(steps, args.batch)
 
