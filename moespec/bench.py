@@ -121,19 +121,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_mode(text: str) -> tuple[str, dict]:
     """A --modes entry -> (its label, the speculation fields it sets). `MODE@TAG` runs MODE in an
     engine of its own labelled by the whole text, so one mode can run twice: `none,none@again`
-    measures the bench's own spread (an A/A control) beside the modes compared."""
+    measures the bench's own spread (an A/A control) beside the modes compared. `mtp:plain` and
+    `draft:plain` build the speculating engine, its draft loaded and kept, and decode plainly
+    (`schedule: {1: 0}`, not adaptive): its upkeep beside `none` and its adaptive self."""
     from moespec.speculation.tree import TreeShape
 
     body, at, tag = text.partition("@")
     if at and not tag:
         raise ValueError(f"--modes {text!r}: the tag after '@' is empty")
     name, _, arg = body.partition(":")
-    allowed = "none, mtp[:k], draft[:k], mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto, draft-tree:auto (each may end in @TAG)"
+    allowed = ("none, mtp[:k], draft[:k], mtp:plain, draft:plain, mtp-tree:KxDxN, draft-tree:KxDxN, mtp-tree:auto, "
+               "draft-tree:auto (each may end in @TAG)")
     if name not in ("none", "mtp", "draft", "mtp-tree", "draft-tree"):
         raise ValueError(f"--modes: {name!r} is not a mode; allowed: {allowed}")
     if not name.endswith("-tree"):
         spec = {"mode": name, "tree": None}
-        if arg:
+        if arg == "plain" and name != "none":
+            spec.update(schedule={1: 0}, adaptive=False)
+        elif arg:
             spec["num_speculative_tokens"] = int(arg)
         return text, spec
     if arg == "auto":  # chains and trees measured per batch size: adaptive whatever --adaptive says

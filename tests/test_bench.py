@@ -62,24 +62,27 @@ def test_bench_writes_results_for_every_mode(tmp_path):
 
 def test_bench_turns_of_seconds_keep_each_engines_own_clock(tmp_path):
     """--turn-seconds: every mode holds a group of prompts at once and they step in short turns;
-    each engine's seconds and latencies count its own steps only."""
+    each engine's seconds and latencies count its own steps only. `draft:plain`, the drafting
+    engine forced to decode plainly, runs no speculative step."""
     cfg = tiny_llama_config(tmp_path)
     out = tmp_path / "r.json"
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes",
-                             "none,draft:2,none@again", "--batch-sizes", "2", "--prompt-len", "16", "--max-tokens", "6",
-                             "--repeats", "2", "--num-prompts", "4", "--waves", "2", "--turn-seconds", "0.005",
+                             "none,draft:2,none@again,draft:plain", "--batch-sizes", "2", "--prompt-len", "16",
+                             "--max-tokens", "6", "--repeats", "2", "--num-prompts", "4", "--waves", "2",
+                             "--turn-seconds", "0.005",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["turn_seconds"] == 0.005
     rows = {label: rows[0] for label, rows in report["results"].items()}
-    assert set(rows) == {"none", "draft:2", "none@again"}
+    assert set(rows) == {"none", "draft:2", "none@again", "draft:plain"}
     for row in rows.values():
         assert row["tokens"] == 4 * 6 and len(row["speedup_runs"]) == 2
         # a request's first token and its last five on the engine's own clock, within its seconds
         assert 0 < row["ttft_ms"] and 0 < row["tpot_ms"]
         assert row["ttft_ms"] + 5 * row["tpot_ms"] <= 1e3 * row["seconds"]
     assert rows["draft:2"]["accept_length"] == 3.0 and rows["none@again"]["accept_length"] is None
+    assert rows["draft:plain"]["accept_length"] is None and rows["draft:plain"]["spec_steps"] == 0
     result = subprocess.run([sys.executable, "-m", "moespec", "bench", "--config", str(cfg), "--modes", "none",
                              "--turn-seconds", "-1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "--turn-seconds must be >= 0" in result.stderr

@@ -292,6 +292,7 @@ def test_bench_tree_modes_parse():
                                                "tree": {"top_k": 4, "depth": 3, "num_draft_tokens": 8}}
     assert parse_mode("draft-tree:auto")[1] == {"mode": "draft", "tree": "auto", "adaptive": True}
     assert parse_mode("mtp:2")[1] == {"mode": "mtp", "tree": None, "num_speculative_tokens": 2}
+    assert parse_mode("mtp:plain")[1] == {"mode": "mtp", "tree": None, "schedule": {1: 0}, "adaptive": False}
     with pytest.raises(ValueError, match="TOPKxDEPTHxTOKENS"):
         parse_mode("mtp-tree:4x3")
 
