@@ -330,11 +330,15 @@ def summarize_mode(outs: list, elapsed: float, before: tuple, s, shared: int = 0
 def summarize_runs(rows: list[dict], baseline: list[dict] | None) -> dict:
     """The fastest of a mode's repeated runs, with its speedup over `none` as the median of the
     per-repeat ratios (within a repeat the modes took turns on each group of prompts, so a slow
-    phase of a noisy machine hits both sides of a ratio), and every ratio for the spread."""
+    phase of a noisy machine hits both sides of a ratio), and every ratio for the spread; per
+    repeat too, its speculative steps and the steps adaptive speculation explored, so each ratio
+    reads against what ran (the fastest run's own counts are `spec_steps` and `explore_steps`)."""
     best = dict(max(rows, key=lambda row: row["tok_s"]))
     ratios = [row["tok_s"] / base["tok_s"] for row, base in zip(rows, baseline)] if baseline else None
     best.update(tok_s_runs=[row["tok_s"] for row in rows], speedup_runs=ratios,
-                speedup=statistics.median(ratios) if ratios else None)
+                speedup=statistics.median(ratios) if ratios else None,
+                spec_steps_runs=[row["spec_steps"] for row in rows],
+                explore_steps_runs=[row["explore_steps"] for row in rows])
     return best
 
 

@@ -44,7 +44,7 @@ def test_bench_writes_results_for_every_mode(tmp_path):
     assert all("speedup_same_switches" in r for r in graphs["draft:2/graph"])
     assert all(r["compile_s"] == 0 for rows in report["results"].values() for r in rows)
     assert all(r["policy_steps"] == r["explore_steps"] == 0 and r["policy"] == {}
-               for rows in report["results"].values() for r in rows)
+               and r["explore_steps_runs"] == [0, 0] for rows in report["results"].values() for r in rows)
     for rows in report["results"].values():
         assert [r["batch"] for r in rows] == [1, 2]
         # at least 3 prompts, in turns of 2 x batch size: 4 prompts at batch 1 and at batch 2
@@ -56,6 +56,10 @@ def test_bench_writes_results_for_every_mode(tmp_path):
         assert draft["speedup_runs"] == ratios and draft["speedup"] == sum(ratios) / 2
     draft = report["results"]["draft:2"]
     assert all(r["accept_length"] == 3.0 for r in draft)  # the draft is the target itself
+    # every repeat's verifications, counted per request: 4 requests, 2 each (6 tokens: the
+    # prompt's next one, then 3 a step, the last step's drafts cut at the request's room)
+    assert [r["spec_steps_runs"] for r in draft] == [[8, 8], [8, 8]]
+    assert all(r["spec_steps_runs"] == [0, 0] for r in report["results"]["none"])
     assert all(r["acceptance_by_position"] == [1.0, 1.0] for r in draft)
     assert out.with_suffix(".png").stat().st_size > 1000
 
