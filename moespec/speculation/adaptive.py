@@ -9,17 +9,19 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
 
 - seconds_c(B), a step's wall time, is a least-squares fit over the steps already run
   (`StepCosts`), one per family: plain decoding `a + b*B`, chains `a + d*k + b*B + e*B*k`
-  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, with outliers (steps
-  taken in a burst of load) reweighted once; a line in B never slopes down (a bucket's
-  batch sizes are too close together to tell its slope from noise: plain decoding's is then
-  its weighted mean), and a chain's slope is at least the prior's below. Samples weigh less the
+  (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, each plus a cold term
+  for a first step at a batch size (left out of predictions), with outliers (steps taken in a
+  burst of load) reweighted once; a line in B never slopes down (a bucket's batch sizes are too
+  close together to tell its slope from noise: plain decoding's is then flat), and a chain's
+  slope is at least the prior's below. Samples weigh less the
   further their bucket is from the one predicted (a quarter per doubling) and the older they
   are, so the fit is local where there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge
   toward a prior: none for plain decoding, so measured at one batch size only it extrapolates
   flat; for a draft, its verify's share of plain decoding's slope (a chain of k verifies 1 + k
   tokens per request), so a draft measured only at a high load, where it lost, is predicted at
-  a low one from how plain decoding's steps shrink there, and tried.
+  a low one from how plain decoding's steps shrink there, and tried; a draft's cold term
+  shrinks toward plain decoding's, which its many batch sizes run both cold and again measure.
 - E_c, tokens per request per step: 1 for plain decoding; for a chain of k, 1 + sum over
   positions i <= k of P(a >= i), a the drafts a request's verify accepted, counted per position
   from recent verify steps whatever length ran (`Acceptance`), so a length never run is
@@ -41,12 +43,12 @@ batch 64 several plain steps' worth. It measures switching, not the choice, so o
 counts, and its time beyond a steady step's, per position caught up, prices the next switch: a
 draft is predicted at the rate it would keep over the tokens the step's requests have left, its
 catch-up included (`priced`), and after a bucket's first run, a run starts only where its
-predicted catch-up fits the budget too. Near the end of requests that hold long histories, a
-draft that wins per step loses once the switch is paid. Before any prediction exists, each
+predicted steps and catch-up fit the budget too. Near the end of requests that hold long
+histories, a draft that wins per step loses once the switch is paid. Before any prediction exists, each
 candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
 from it), and plain decoding runs `min_samples` steps at every bucket it meets. A choice's first
-step at a batch size counts as a step but is not fitted (`StepCosts.add`): it runs its shapes
-for the first time.
+step at a batch size runs its shapes for the first time: the fit gives it a cold term of its own
+(`StepCosts.add`), which predictions leave out.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
@@ -115,12 +117,13 @@ def family(choice: Choice) -> str | TreeShape:
     return choice if isinstance(choice, TreeShape) else "chain" if choice else "plain"
 
 
-def features(choice: Choice, batch_size: int) -> list[float]:
-    """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike."""
+def features(choice: Choice, batch_size: int, cold: bool = False) -> list[float]:
+    """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike; the
+    last is 1 for a choice's first step at a batch size (`cold`), 0 in every prediction."""
     b = batch_size / 16
     if isinstance(choice, int) and choice:
-        return [1.0, float(choice), b, b * choice]
-    return [1.0, b]
+        return [1.0, float(choice), b, b * choice, float(cold)]
+    return [1.0, b, float(cold)]
 
 
 class Samples:
@@ -160,19 +163,21 @@ class StepCosts:
         self.fits: dict[tuple[object, int], list] = {}
 
     def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
-        """A step's seconds. The first at a (choice, batch size) counts but is not fitted once
-        its family has samples: its shapes ran for the first time (on the CPU, oneDNN builds a
-        kernel per new row count), a cost the steps after it do not pay. A precaution: one probe
-        saw k=3's first steps at a mean batch of 51 take 80 ms against 74 ms repeated at 64, a
-        rerun on a busy machine did not (docs/benchmarks.md)."""
+        """A step's seconds. The first at a (choice, batch size) is fitted as cold (`features`):
+        its shapes ran for the first time (on the CPU, oneDNN builds a kernel per new row count),
+        a cost the steps after it do not pay, which the fit's cold term takes (one per family,
+        from the batch sizes it ran both cold and again) and no prediction includes. So a run
+        that measures a draft at batch sizes it never ran (a draining batch's) still informs its
+        line. Left out of the fit, they taught it nothing: SmolLM2 at batch 64, T = 0.7, had
+        k = 1 predicted at +-60% at batch 44 when a run started there, and runs came back every
+        repeat. Fitted with no cold term, their cost raised a tiny model's draft predictions until
+        plain decoding ran where drafts won (docs/benchmarks.md)."""
         shape, key, bucket = (choice, batch_size), family(choice), log2_bucket(batch_size)
         self.counts[choice] = self.counts.get(choice, 0) + 1
         self.counts_at[key, bucket] = self.counts_at.get((key, bucket), 0) + 1
-        first = shape not in self.shapes
+        cold = shape not in self.shapes
         self.shapes.add(shape)
-        if first and key in self.samples:
-            return
-        x = features(choice, batch_size)
+        x = features(choice, batch_size, cold)
         buckets = self.samples.setdefault(key, {})
         buckets.setdefault(bucket, Samples(self.window, len(x))).add(x, seconds)
         self.added[key] = self.added.get(key, 0) + 1
@@ -191,7 +196,7 @@ class StepCosts:
         if fitted is None:
             return None
         theta, inverse, noise, floor = fitted
-        x = np.array(features(choice, batch_size))
+        x = np.array(features(choice, batch_size))  # warm: its shapes run before
         seconds = max(float(x @ theta), floor)
         return seconds, math.sqrt(noise * float(x @ inverse @ x))
 
@@ -218,20 +223,20 @@ class StepCosts:
         step at least), not flat: at a low load the draft is predicted cheaper there and tried."""
         if choice == 0 or "plain" not in self.samples:
             return None
-        slope = max(float(self.fitted("plain", where, 0, peek)[0][1]), 0.0)  # seconds per 16 requests
+        plain = self.fitted("plain", where, 0, peek)[0]
+        slope, cold = max(float(plain[1]), 0.0), max(float(plain[2]), 0.0)  # seconds per 16 requests; per cold step
         if isinstance(choice, TreeShape):
-            return np.array([0.0, slope * (1 + choice.num_draft_tokens)])
-        return np.array([0.0, 0.0, slope, slope])  # a + d*k + b*B + e*B*k: B*(1+k) tokens verified
+            return np.array([0.0, slope * (1 + choice.num_draft_tokens), cold])
+        return np.array([0.0, 0.0, slope, slope, cold])  # a + d*k + b*B + e*B*k + cold: B*(1+k) tokens verified
 
     def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray,
-              prior: np.ndarray | None = None, pinned: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Coefficients [F] and the inverse normal matrix [F, F]; the slope terms shrink toward
-        `prior` [F] (0 without), the intercept not at all; `pinned`: a chain's slopes in B are
-        the prior's."""
+              prior: np.ndarray | None = None, pinned: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Coefficients [F] and the inverse normal matrix [F, F]; the other terms shrink toward
+        `prior` [F] (0 without), the intercept not at all; `pinned`: terms held at the prior's."""
         penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
         penalty[0] = 1e-9
-        if pinned:
-            penalty[2:] = 1e6 * w.sum()
+        if pinned is not None:
+            penalty[pinned] = 1e6 * w.sum()
         inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
         centre = 0.0 if prior is None else penalty * prior
         return inverse @ ((x * w[:, None]).T @ y + centre), inverse
@@ -253,12 +258,12 @@ class StepCosts:
         theta, inverse = self.solve(x, y, w, prior)
         mean = float((w * y).sum() / w.sum())
         floor = np.zeros(x.shape[1]) if prior is None else prior  # the least slopes in B
-        if x.shape[1] == 2 and theta[1] < 0:  # a + b*B sloping down: the weighted mean instead
-            theta = np.array([mean, 0.0])
-        elif x.shape[1] == 4 and min((theta - floor)[2:] @ [1.0, k] for k in (1.0, float(x[:, 1].max()))) < 0:
+        if x.shape[1] == 3 and theta[1] < 0:  # a + b*B sloping down: flat (its slope held at 0)
+            theta, inverse = self.solve(x, y, w, np.zeros(3), pinned=slice(1, 2))
+        elif x.shape[1] == 5 and min((theta - floor)[2:4] @ [1.0, k] for k in (1.0, float(x[:, 1].max()))) < 0:
             # a chain whose step grows with B slower than its verify's tokens would in plain
             # decoding, for some length: its slopes at the prior's
-            theta, inverse = self.solve(x, y, w, prior, pinned=True)
+            theta, inverse = self.solve(x, y, w, prior, pinned=slice(2, 4))
         residual = y - x @ theta
         dof = max(w.sum() - x.shape[1], 1.0)
         noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
@@ -467,9 +472,9 @@ class SpeculationPolicy:
         leads now), or the first of a new run: the choice whose run is expected to save the most
         (`worth`), where it saves anything, if the run keeps exploration within its share of the
         bucket's steps and time. The bucket's first run may overdraw the time; later runs start
-        only where their catch-up (`switch_s`, predicted) fits too: at batch 64 one catch-up on
-        every request's history took 0.86 s, a tenth of a repeat. `predictions`: per step, not
-        priced against the tokens left."""
+        only where their steps and catch-up (`switch_s`), predicted, fit too: at batch 64 one
+        catch-up on every request's history took 0.86 s, a tenth of a repeat. `predictions`:
+        per step, not priced against the tokens left."""
         choice, left = self.runs.pop(bucket, (None, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1)
@@ -477,13 +482,15 @@ class SpeculationPolicy:
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
-        explored_s = self.explored_seconds.get(bucket, 0.0)
-        if explored_s + (switch_s if explored_s else 0.0) > self.explore_share * self.seconds.get(bucket, 0.0):
+        explored_s, budget_s = self.explored_seconds.get(bucket, 0.0), self.explore_share * self.seconds.get(bucket, 0.0)
+        if explored_s > budget_s:
             return None
         worth = {c: self.worth(predictions[leader], p, switch_s) for c, p in predictions.items() if c != leader}
         choice = max(worth, key=worth.get, default=None)
         if choice is None or worth[choice] <= 0:
             return None
+        if explored_s and explored_s + self.explore_steps * predictions[choice].seconds + switch_s > budget_s:
+            return None  # the run's steps and its catch-up, predicted, would overdraw the time
         self.runs[bucket] = (choice, self.explore_steps - 1)
         return choice
 
