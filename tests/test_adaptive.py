@@ -301,7 +301,7 @@ def test_a_run_at_batch_sizes_never_run_before_informs_the_fit():
     """A draining batch explores k = 1 at batch sizes it never ran (each step cold, 20 ms more),
     after every length's first steps at batch 64: the run's steps bring k = 1's predicted cost
     at batch 43 to within 5% of the truth, +-10% at most. Left out of the fit as cold, they
-    changed nothing (+-148% before and after the run), and the same run was worth repeating."""
+    changed nothing (+-148% before and after the run)."""
     from moespec.speculation.adaptive import StepCosts
     costs, rng = StepCosts(), random.Random(0)
 

@@ -13,9 +13,9 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   for a first step at a batch size (left out of predictions), with outliers (steps taken in a
   burst of load) reweighted once; a line in B never slopes down (a bucket's batch sizes are too
   close together to tell its slope from noise: plain decoding's is then flat), and a chain's
-  slope is at least the prior's below. Samples weigh less the
-  further their bucket is from the one predicted (a quarter per doubling) and the older they
-  are, so the fit is local where there is data and a line across buckets where there is not:
+  slope is at least the prior's below. Samples weigh less the further their bucket is from the
+  one predicted (a quarter per doubling) and the older they are, so the fit is local where
+  there is data and a line across buckets where there is not:
   a bucket never run is predicted from its neighbours. The slope terms carry a small ridge
   toward a prior: none for plain decoding, so measured at one batch size only it extrapolates
   flat; for a draft, its verify's share of plain decoding's slope (a chain of k verifies 1 + k
@@ -44,8 +44,8 @@ counts, and its time beyond a steady step's, per position caught up, prices the 
 draft is predicted at the rate it would keep over the tokens the step's requests have left, its
 catch-up included (`priced`), and after a bucket's first run, a run starts only where its
 predicted steps and catch-up fit the budget too. Near the end of requests that hold long
-histories, a draft that wins per step loses once the switch is paid. Before any prediction exists, each
-candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
+histories, a draft that wins per step loses once the switch is paid. Before any prediction
+exists, each candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
 from it), and plain decoding runs `min_samples` steps at every bucket it meets. A choice's first
 step at a batch size runs its shapes for the first time: the fit gives it a cold term of its own
 (`StepCosts.add`), which predictions leave out.
@@ -196,7 +196,7 @@ class StepCosts:
         if fitted is None:
             return None
         theta, inverse, noise, floor = fitted
-        x = np.array(features(choice, batch_size))  # warm: its shapes run before
+        x = np.array(features(choice, batch_size))  # warm: not a first step at this batch size
         seconds = max(float(x @ theta), floor)
         return seconds, math.sqrt(noise * float(x @ inverse @ x))
 
