@@ -310,8 +310,10 @@ def aborted_count(server) -> float:
     return 0.0
 
 
-def test_non_streaming_client_that_leaves_is_aborted(server):
-    """The client closes its socket once the engine runs its request, well before 16 x 100 tokens are done."""
+def test_non_streaming_client_that_leaves_is_aborted(server, monkeypatch):
+    """The client closes its socket once the engine runs its request, well before 16 x 100 tokens
+    are done; the server, polling for the disconnect every 10 ms here, aborts it."""
+    monkeypatch.setattr("moespec.server.app.DISCONNECT_POLL_S", 0.01)
     server.wait_idle()
     before = aborted_count(server)
     body = json.dumps({"model": MODEL, "prompt": "import os", "max_tokens": 100, "n": 16, "ignore_eos": True})
