@@ -65,6 +65,9 @@ class SpeculationSection:
     relaxed_delta: float = 0.5
     adaptive: bool = True
     adaptive_margin: float = 0.05  # adaptive: how much faster a draft length must measure to take the lead
+    # adaptive: standard errors below its predicted rate at which a draft must still beat plain
+    # decoding to take the lead (where its prediction is looser, one run measures it first)
+    adaptive_sureness: float = 1.0
     # mode mtp: target hidden states a request may hold before the MTP layer runs over them. While
     # steps do not speculate (a prompt, plain decoding) the layer's work waits until a draft is
     # needed, so a request that finishes first never pays for it; at most 1 + k where the layer's
@@ -209,6 +212,9 @@ class EngineConfig:
             raise ConfigError(f"speculation.mtp_hold_tokens must be >= 0, got {self.speculation.mtp_hold_tokens!r}")
         if not self.speculation.adaptive_margin >= 0:
             raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
+        if not self.speculation.adaptive_sureness >= 0:
+            raise ConfigError("speculation.adaptive_sureness must be >= 0, got "
+                              f"{self.speculation.adaptive_sureness!r}")
         if self.model.max_model_len is not None:
             check_positive(self.model.max_model_len, "model.max_model_len")
         for key in ("max_waiting_requests", "max_n", "max_prompts_per_request", "max_request_bytes", "max_schema_bytes",

@@ -83,9 +83,9 @@ def resolve_eos_ids(model, tokenizer) -> frozenset[int]:
 
 
 def policy_for(spec: SpeculationSection, trees: tuple) -> SpeculationPolicy:
-    """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin)."""
+    """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin, ...)."""
     return SpeculationPolicy(spec.num_speculative_tokens, spec.schedule, spec.adaptive, margin=spec.adaptive_margin,
-                             trees=trees)
+                             trees=trees, sureness=spec.adaptive_sureness)
 
 
 def rooms_left(chunks: list, lengths: list[int], max_model_len: int) -> list[int]:

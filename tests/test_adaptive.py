@@ -117,10 +117,12 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
 def test_follows_a_shift_in_acceptance():
     """Batch 4, 8 seeds: speculation while acceptance is high, plain decoding within 60 steps of
     it falling, speculation again after it rises, found by exploration while plain decoding runs
-    (within its share): within 800 steps in every seed, 400 in the median (a rise shows only
-    through a few explored steps, whose counts are outweighed by the low ones still held, and a
-    run starts only once its own steps and catch-up fit the share of time: 12 seeds spread over
-    8-782 steps; 14-542 when a run needed only its catch-up to fit, and overdrew by its steps).
+    (within its share): within 800 steps in every seed, 550 in the median (a rise shows only
+    through a few explored steps, whose counts are outweighed by the low ones still held; a run
+    starts only once its own steps and catch-up fit the share of time; and a draft leads again
+    only once its rate one standard error down beats plain decoding: 114-782 steps, median 511;
+    60-782, median 311, when a prediction alone could lead; 14-542 when a run needed only its
+    catch-up to fit, and overdrew by its steps).
     At batch 8, where the best length gains 7% (near the 5% margin), whether a seed returns
     turns on noise: 2 of 12 did not within 1500 steps."""
     backs = []
@@ -135,7 +137,7 @@ def test_follows_a_shift_in_acceptance():
         backs.append(next(i for i in range(len(risen) - 50) if all(k > 0 for k in risen[i:i + 50])))
         assert policy.leaders[4] != 0
         assert policy.explored[4] <= 0.02 * policy.steps[4]
-    assert max(backs) < 800 and sorted(backs)[4] < 400, backs
+    assert max(backs) < 800 and sorted(backs)[4] < 550, backs
 
 
 def test_speculates_at_low_load_after_a_high_load_where_it_lost():
@@ -162,7 +164,9 @@ def test_speculates_at_low_load_after_a_high_load_where_it_lost():
             best = max(rate(batch, k, acceptance) for k in (1, 2, 3))
             if best > 1.1 * rate(batch, 0, acceptance):  # batch 4-1 with high acceptance: 1.22-1.45x
                 assert speculated >= 0.95 * 98 and policy.leaders[batch] != 0, (batch, choices)
-                assert rate(batch, policy.leaders[batch], acceptance) >= 0.95 * best
+                # the length known best: at batch 2, k=1, measured, may lead k=3 (0.89x of it), which
+                # is predicted from fewer counts until a run measures it (after 150 steps: the budget)
+                assert rate(batch, policy.leaders[batch], acceptance) >= 0.85 * best
             elif best < rate(batch, 0, acceptance):
                 assert speculated <= 3 and policy.leaders[batch] == 0, (batch, choices)
             # batch 8 with high acceptance: 1.08x, near the 5% margin, either choice is as good
@@ -188,6 +192,34 @@ def test_prices_a_switch_against_the_tokens_requests_have_left(room):
         assert sum(k > 0 for k in choices[2:]) == 0 and policy.leaders[4] == 0, choices
         # per step (unpriced) a draft leads by more than the margin: without the price it would switch
         assert max(policy.predicted[4][k] for k in (2, 3)) > (1 + policy.margin) * policy.predicted[4][0]
+
+
+def test_a_draft_predicted_to_win_loosely_runs_once_to_be_measured_before_it_leads():
+    """A draft leads only where one standard error below its predicted rate it still beats plain
+    decoding. Measured at batch 16 only (it loses there), k=2-3 are predicted at batch 4 from plain
+    decoding's slope, +-50-80%: one run measures the favoured one first, as exploration, whatever
+    the budget, and then it leads (1.22x plain decoding there), here within the run's 3 steps.
+    Loose predictions led before: on SmolLM2, where every draft loses, the batch draining through
+    buckets never run had drafts lead for hundreds of steps per repeat (docs/benchmarks.md)."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy)
+    sim.run(16, 600)
+    choices = sim.run(4, 2) + sim.run(4, 1)  # plain decoding measured at the bucket, then a prediction
+    assert choices[:2] == [0, 0] and choices[2] != 0 and policy.leaders[4] == 0  # measured, not led
+    assert policy.explored[4] == 1
+    loose = policy.predict(4, choices[2])
+    assert loose.rate > (1 + policy.margin) * policy.predict(4, 0).rate > loose.rate * (1 - loose.error)
+    assert sum(k != 0 for k in sim.run(4, 100)) == 100 and policy.leaders[4] != 0  # once measured, it leads
+    assert policy.explored[4] <= 3  # within its run: no other
+
+
+def test_lead_needs_a_draft_to_win_one_standard_error_down():
+    policy = SpeculationPolicy(3)
+    plain = Prediction(100.0, 0.02)
+    assert policy.lead(4, {0: plain, 3: Prediction(130.0, 0.4)}) == 0
+    assert policy.lead(4, {0: plain, 3: Prediction(130.0, 0.4)}, sure=False) == 3
+    assert policy.lead(4, {0: plain, 3: Prediction(130.0, 0.2)}) == 3
+    assert SpeculationPolicy(3, sureness=0.0).lead(4, {0: plain, 3: Prediction(130.0, 0.4)}) == 3
 
 
 def test_predicts_a_length_never_run_from_per_position_acceptance():

@@ -53,7 +53,12 @@ step at a batch size runs its shapes for the first time: the fit gives it a cold
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as it is predicted at least as fast: within the margin the choices are equal as
 far as noisy step times can tell, and plain decoding has no catch-up steps and no tail of
-requests finishing at different steps, which the step times miss.
+requests finishing at different steps, which the step times miss. A draft takes the lead only
+where `sureness` (1) standard errors below its predicted rate it still beats plain decoding.
+Where its prediction is looser (at a bucket it never ran at, predicted from the others), the
+bucket's first run measures it, whatever the budget, and it leads once it is known to win; on
+SmolLM2, where every draft loses, loose predictions had drafts lead for hundreds of steps per
+repeat in the buckets a draining batch met for the first time.
 
 What the engine feeds in: `record` per decode or speculative step (batch size, the choice that
 ran, tokens kept per request, seconds, and whether it measures the choice: not the catch-up
@@ -352,13 +357,14 @@ class Acceptance:
 class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
                  explore_share: float = 0.02, explore_steps: int = 3, min_samples: int = 2,
-                 margin: float = 0.05, trees: tuple[TreeShape, ...] = (), accept_decay: float = 0.98) -> None:
+                 margin: float = 0.05, trees: tuple[TreeShape, ...] = (), accept_decay: float = 0.98,
+                 sureness: float = 1.0) -> None:
         self.max_tokens = max_tokens
         self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_share, self.explore_steps, self.min_samples = explore_share, explore_steps, min_samples
-        self.margin = margin
+        self.margin, self.sureness = margin, sureness
         self.costs = StepCosts()
         self.acceptance = Acceptance(accept_decay)
         self.measures: dict[tuple[int, Choice], Measure] = {}  # (bucket, choice) -> measured, for /metrics
@@ -428,7 +434,9 @@ class SpeculationPolicy:
             left = int(rooms.sum())
             priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, priced)
-        probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0)
+        hoped = self.lead(bucket, priced, sure=False)  # the leader if predictions were exact
+        unsure = hoped if hoped != leader and not self.explored.get(bucket) else None
+        probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0, unsure)
         return leader if probe is None else self.explore(bucket, probe)
 
     def explore(self, bucket: int, choice: Choice) -> Choice:
@@ -456,29 +464,40 @@ class SpeculationPolicy:
         rate = tokens_left / (tokens_left / prediction.rate + switch_s)
         return Prediction(rate, prediction.error, prediction.seconds)
 
-    def lead(self, bucket: int, predictions: dict[Choice, Prediction]) -> Choice:
-        """The leader stays unless another is predicted `margin` faster, except that plain
-        decoding takes over as soon as it is predicted at least as fast as speculating."""
+    def lead(self, bucket: int, predictions: dict[Choice, Prediction], sure: bool = True) -> Choice:
+        """The leader stays unless another is predicted `margin` faster and, if plain decoding
+        leads, `sureness` standard errors below its prediction still faster (unless not `sure`);
+        plain decoding takes over as soon as it is predicted at least as fast as speculating. So
+        speculation starts where a draft was measured to win, not where only a loose prediction
+        says so (at a bucket it never ran at, predicted from others): there one run measures it
+        first. Between drafts the predictions decide: a draft that then loses is measured at
+        once, and plain decoding takes over."""
         rate = {c: p.rate for c, p in predictions.items()}
         leader = self.leaders.get(bucket, 0)
         if leader not in rate or (leader and rate[0] >= rate[leader]):
             leader = 0
-        fastest = max((c for c in rate if c != 0), key=rate.get, default=0)
+        down = self.sureness if sure and leader == 0 else 0.0  # from plain decoding; between drafts: predicted
+        drafts = [c for c, p in predictions.items() if c != 0 and p.rate * (1 - down * p.error) > rate[0]]
+        fastest = max(drafts, key=rate.get, default=0)
         return fastest if fastest and rate[fastest] > (1 + self.margin) * rate[leader] else leader
 
     def probe(self, bucket: int, leader: Choice, predictions: dict[Choice, Prediction],
-              switch_s: float = 0.0) -> Choice | None:
+              switch_s: float = 0.0, unsure: Choice | None = None) -> Choice | None:
         """The choice to measure this step: the next step of a run under way (unless its choice
         leads now), or the first of a new run: the choice whose run is expected to save the most
         (`worth`), where it saves anything, if the run keeps exploration within its share of the
         bucket's steps and time. The bucket's first run may overdraw the time; later runs start
         only where their steps and catch-up (`switch_s`), predicted, fit too: at batch 64 one
         catch-up on every request's history took 0.86 s, a tenth of a repeat. `predictions`:
-        per step, not priced against the tokens left."""
+        per step, not priced against the tokens left. `unsure`: a draft predicted to lead, too
+        loosely to (`lead`), at a bucket with no run yet: its run starts whatever the budget."""
         choice, left = self.runs.pop(bucket, (None, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1)
             return choice
+        if unsure is not None:  # the bucket's first run, whatever the budget: a draft predicted to lead
+            self.runs[bucket] = (unsure, self.explore_steps - 1)
+            return unsure
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
