@@ -36,9 +36,9 @@ def trace_records(record):
 
 
 def trace_probes(probe):
-    def probed(self, bucket, leader, predictions, switch_s=0.0):
+    def probed(self, bucket, leader, predictions, switch_s=0.0, unsure=None):
         under_way = bucket in self.runs
-        choice = probe(self, bucket, leader, predictions, switch_s)
+        choice = probe(self, bucket, leader, predictions, switch_s, unsure)
         if choice is not None and not under_way:
             batch = self.predicted_batch[bucket]
             for c in (leader, choice):
