@@ -434,8 +434,9 @@ class SpeculationPolicy:
             left = int(rooms.sum())
             priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, priced)
-        hoped = self.lead(bucket, priced, sure=False)  # the leader if predictions were exact
-        unsure = hoped if hoped != leader and not self.explored.get(bucket) else None
+        unsure = None  # a draft that would lead were predictions exact, at a bucket with no run yet
+        if leader == 0 and not self.explored.get(bucket):
+            unsure = self.lead(bucket, priced, sure=False) or None
         probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0, unsure)
         return leader if probe is None else self.explore(bucket, probe)
 
