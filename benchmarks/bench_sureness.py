@@ -1,6 +1,7 @@
-"""`moespec bench` where a mode tagged `@zN` runs with speculation.adaptive_sureness = N, so that
-the adaptive policy with and without its sureness rule runs side by side in one bench, on the
-same prompts and turns (docs/benchmarks.md, "Drafts start only where known to win"):
+"""`moespec bench` where a mode tagged `@zN` runs with speculation.adaptive_sureness = N (`@dN`:
+adaptive_decide_every = N), so that the adaptive policy with and without its sureness rule (or
+a decision every step) runs side by side in one bench, on the same prompts and turns
+(docs/benchmarks.md, "Drafts start only where known to win", "Decisions held between steps"):
 
   .venv/bin/python benchmarks/bench_sureness.py --config configs/smollm2-135m-mtp.yaml \
       --modes none,mtp:3@z0,mtp:3@z1 --adaptive on --batch-sizes 16,32 --repeats 5 \
@@ -23,6 +24,8 @@ def parse_tagged_mode(text: str) -> tuple[str, dict]:
     tag = text.partition("@")[2]
     if tag.startswith("z"):
         spec["adaptive_sureness"] = float(tag[1:])
+    elif tag.startswith("d"):
+        spec["adaptive_decide_every"] = int(tag[1:])
     return label, spec
 
 

@@ -85,7 +85,7 @@ def resolve_eos_ids(model, tokenizer) -> frozenset[int]:
 def policy_for(spec: SpeculationSection, trees: tuple) -> SpeculationPolicy:
     """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin, ...)."""
     return SpeculationPolicy(spec.num_speculative_tokens, spec.schedule, spec.adaptive, margin=spec.adaptive_margin,
-                             trees=trees, sureness=spec.adaptive_sureness)
+                             trees=trees, sureness=spec.adaptive_sureness, decide_every=spec.adaptive_decide_every)
 
 
 def rooms_left(chunks: list, lengths: list[int], max_model_len: int) -> list[int]:
@@ -93,6 +93,16 @@ def rooms_left(chunks: list, lengths: list[int], max_model_len: int) -> list[int
     at least 1; `lengths`: its tokens, counting those a step in flight may still add."""
     return [max(1, min(max_model_len - n, (c.seq.params.max_tokens or max_model_len) - (n - len(c.seq.prompt_ids))))
             for c, n in zip(chunks, lengths)]
+
+
+def decision_inputs(policy: SpeculationPolicy, speculator, chunks: list, lengths: list[int],
+                    max_model_len: int) -> tuple[list[int] | None, int]:
+    """What the policy's decision reads, where it decides this step (`due`): the tokens each
+    request may still emit, and the positions a draft would catch up on (priced once measured)."""
+    if not policy.due(len(chunks)):
+        return None, 0
+    behind = speculator.behind([c.seq for c in chunks]) if policy.switch_price else 0
+    return rooms_left(chunks, lengths, max_model_len), behind
 
 
 class Engine:
@@ -374,8 +384,8 @@ class Engine:
         self.next_tree = None
         if chunks and spec.max_tokens and scheduled.is_decode_only:
             lengths = [c.seq.num_tokens + (extra or {}).get(id(c.seq), 0) for c in chunks]
-            behind = spec.behind([c.seq for c in chunks]) if self.policy.switch_price else 0  # priced once measured
-            choice = self.policy.choose(len(chunks), rooms_left(chunks, lengths, self.max_model_len), behind)
+            choice = self.policy.choose(len(chunks), *decision_inputs(self.policy, spec, chunks, lengths,
+                                                                        self.max_model_len))
             k_wish = self.fit_choice(choice, lengths)
             room = min(self.max_model_len - n for n in lengths) - 1
             lags = synced_mtp and spec.needs_catch_up([c.seq for c in chunks])

@@ -114,6 +114,26 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
     assert policy.report()[64]["explored_seconds"] == explored
 
 
+def test_a_decision_that_runs_the_leader_holds_for_the_next_steps():
+    """Where plain decoding leads (batch 64), one step in `decide_every` predicts the choices; the
+    steps between run the leader and read neither the requests' rooms nor their catch-up
+    (`due` is False for them). Exploration still runs: its steps are decided."""
+    policy = SpeculationPolicy(3)
+    sim = Simulated(policy, catch_up=0.00005)
+    sim.run(64, 400)
+    explored = policy.explored.get(64, 0)
+    predicted, due, choices, predict = [], [], [], policy.predict
+    policy.predict = lambda *args: predicted.append(args[1]) or predict(*args)
+    for _ in range(800):
+        due.append(policy.due(64))
+        choices += sim.run(64, 1)
+    decisions = len(predicted) // len(policy.candidates(3))
+    assert policy.leaders[64] == 0 and due.count(True) == decisions
+    runs = policy.explored.get(64, 0) - explored
+    assert runs > 0 and all(d for d, k in zip(due, choices) if k != 0)  # every exploration step decided
+    assert 800 // 8 <= decisions <= 800 // 8 + runs  # a decision per 8 steps, and the runs' steps
+
+
 def test_follows_a_shift_in_acceptance():
     """Batch 4, 8 seeds: speculation while acceptance is high, plain decoding within 60 steps of
     it falling, speculation again after it rises, found by exploration while plain decoding runs
