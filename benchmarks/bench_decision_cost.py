@@ -18,17 +18,13 @@ from dataclasses import replace
 
 import torch
 
+from profile_policy_run import build  # this directory: the script's own
+
 from moespec.bench import WARMUP_TOKENS, heldout_prompts, output_lengths
 from moespec.config import load_config
 from moespec.llm import LLM
 from moespec.models import load_tokenizer
 from moespec.sampling import SamplingParams
-
-
-def build(config, batch: int, k: int, decide_every: int) -> LLM:
-    spec = replace(config.speculation, num_speculative_tokens=k, adaptive=True, adaptive_decide_every=decide_every)
-    return LLM(config=replace(config, scheduler=replace(config.scheduler, max_num_seqs=batch),
-                              cache=replace(config.cache, prefix_caching=False), speculation=spec))
 
 
 def timed_reports(llm: LLM) -> list[float]:
@@ -62,7 +58,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     config = load_config(args.config)
     every = [int(n) for n in args.decide_every.split(",")]
-    engines = {n: build(config, args.batch, args.k, n) for n in every}
+    engines = {}
+    for n in every:
+        spec = replace(config.speculation, num_speculative_tokens=args.k, adaptive=True, adaptive_decide_every=n)
+        engines[n] = build(replace(config, speculation=spec), spec.mode, args.batch)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     count = args.waves * args.batch
     prompts = [w[:64] for w in heldout_prompts(tokenizer, count + 1, 64)]

@@ -425,9 +425,10 @@ class SpeculationPolicy:
             return self.trees[0] if self.trees else k
         bucket = self.bucket(batch_size)
         self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        if self.held.get(bucket, 0) > 0 and self.leaders.get(bucket, 0) in self.candidates(k):
+        leader = self.leaders.get(bucket, 0)
+        if not self.due(batch_size) and leader in self.candidates(k):
             self.held[bucket] -= 1
-            choice = self.leaders.get(bucket, 0)
+            choice = leader
         else:
             choice = self.decide(bucket, batch_size, k, rooms, behind)
         self.acceptance.tick(choice != 0)
