@@ -1,7 +1,8 @@
 """`moespec bench` where a mode tagged `@zN` runs with speculation.adaptive_sureness = N (`@dN`:
-adaptive_decide_every = N), so that the adaptive policy with and without its sureness rule (or
-a decision every step) runs side by side in one bench, on the same prompts and turns
-(docs/benchmarks.md, "Drafts start only where known to win", "Decisions held between steps"):
+adaptive_decide_every = N; `@kN`: adaptive_keep_margin = N), so that the adaptive policy with
+and without its sureness rule (a decision every step, a keep margin) runs side by side in one
+bench, on the same prompts and turns (docs/benchmarks.md, "Drafts start only where known to
+win", "Decisions held between steps", "A leading draft keeps a margin"):
 
   .venv/bin/python benchmarks/bench_sureness.py --config configs/smollm2-135m-mtp.yaml \
       --modes none,mtp:3@z0,mtp:3@z1 --adaptive on --batch-sizes 16,32 --repeats 5 \
@@ -26,6 +27,8 @@ def parse_tagged_mode(text: str) -> tuple[str, dict]:
         spec["adaptive_sureness"] = float(tag[1:])
     elif tag.startswith("d"):
         spec["adaptive_decide_every"] = int(tag[1:])
+    elif tag.startswith("k"):
+        spec["adaptive_keep_margin"] = float(tag[1:])
     return label, spec
 
 

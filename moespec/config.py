@@ -70,6 +70,9 @@ class SpeculationSection:
     adaptive_sureness: float = 1.0
     # adaptive: steps per decision while the leader runs (the steps between run it unpredicted)
     adaptive_decide_every: int = 8
+    # adaptive: how much faster than plain decoding a leading draft must stay predicted to keep the
+    # lead (at most adaptive_margin, the edge it needs to take it)
+    adaptive_keep_margin: float = 0.025
     # mode mtp: target hidden states a request may hold before the MTP layer runs over them. While
     # steps do not speculate (a prompt, plain decoding) the layer's work waits until a draft is
     # needed, so a request that finishes first never pays for it; at most 1 + k where the layer's
@@ -214,6 +217,9 @@ class EngineConfig:
             raise ConfigError(f"speculation.mtp_hold_tokens must be >= 0, got {self.speculation.mtp_hold_tokens!r}")
         if not self.speculation.adaptive_margin >= 0:
             raise ConfigError(f"speculation.adaptive_margin must be >= 0, got {self.speculation.adaptive_margin!r}")
+        if not self.speculation.adaptive_keep_margin >= 0:
+            raise ConfigError("speculation.adaptive_keep_margin must be >= 0, got "
+                              f"{self.speculation.adaptive_keep_margin!r}")
         decide_every = self.speculation.adaptive_decide_every
         if not (isinstance(decide_every, int) and decide_every >= 1):
             raise ConfigError(f"speculation.adaptive_decide_every must be an integer >= 1, got {decide_every!r}")

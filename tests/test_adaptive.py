@@ -242,6 +242,25 @@ def test_lead_needs_a_draft_to_win_one_standard_error_down():
     assert SpeculationPolicy(3, sureness=0.0).lead(4, {0: plain, 3: Prediction(130.0, 0.4)}) == 3
 
 
+def test_a_leading_draft_keeps_the_lead_only_while_predicted_keep_margin_ahead():
+    """The band between keep_margin (2.5%) and margin (5%) holds the leader; a keep margin
+    above the margin is cut to it, so a draft that just took the lead keeps it."""
+    plain = Prediction(100.0, 0.02)
+    policy = SpeculationPolicy(3)  # keep_margin 0.025
+    policy.leaders[4] = 1
+    assert policy.lead(4, {0: plain, 1: Prediction(103.0, 0.02)}) == 1
+    assert policy.lead(4, {0: plain, 1: Prediction(102.0, 0.02)}) == 0
+    policy.leaders[4] = 0
+    assert policy.lead(4, {0: plain, 1: Prediction(104.0, 0.02)}) == 0  # plain decoding holds until 5%
+    assert policy.lead(4, {0: plain, 1: Prediction(106.0, 0.02)}) == 1
+    unkept = SpeculationPolicy(3, keep_margin=0.0)
+    unkept.leaders[4] = 1
+    assert unkept.lead(4, {0: plain, 1: Prediction(100.5, 0.02)}) == 1
+    wide = SpeculationPolicy(3, keep_margin=0.5)
+    wide.leaders[4] = 1
+    assert wide.lead(4, {0: plain, 1: Prediction(106.0, 0.02)}) == 1
+
+
 def test_predicts_a_length_never_run_from_per_position_acceptance():
     """k=3 never runs at batch 2 once k=2 leads there... its tokens per step come from the
     positions' counts gathered by every length."""
