@@ -57,8 +57,8 @@ catch-up steps and no tail of requests finishing at different steps, which the s
 On SmolLM2 at batch 8, T = 0.7, where the best draft breaks even, 15 paired runs each way gave a
 median of 1.001 (worst run 0.974) with the keep margin against 0.997 (worst 0.961) without: its
 runs that lost most were those where a draft predicted a few percent ahead led for hundreds of
-steps. A draft takes the lead only
-where `sureness` (1) standard errors below its predicted rate it still beats plain decoding.
+steps. A draft takes the lead only where `sureness` (1) standard errors below its predicted rate
+it still beats plain decoding.
 Where its prediction is looser (at a bucket it never ran at, predicted from the others), the
 bucket's first run measures it, whatever the budget, and it leads once it is known to win; on
 SmolLM2, where every draft loses, loose predictions had drafts lead for hundreds of steps per
