@@ -1,5 +1,5 @@
 """`moespec bench` where a mode tagged `@zN` runs with speculation.adaptive_sureness = N (`@dN`:
-adaptive_decide_every = N; `@kN`: adaptive_keep_margin = N), so that the adaptive policy with
+adaptive_decide_every = N; `@kN`: adaptive_keep_margin = N; `@sN`: adaptive_shift_sigmas = N), so that the adaptive policy with
 and without its sureness rule (a decision every step, a keep margin) runs side by side in one
 bench, on the same prompts and turns (docs/benchmarks.md, "Drafts start only where known to
 win", "Decisions held between steps", "A leading draft keeps a margin"):
@@ -29,6 +29,8 @@ def parse_tagged_mode(text: str) -> tuple[str, dict]:
         spec["adaptive_decide_every"] = int(tag[1:])
     elif tag.startswith("k"):
         spec["adaptive_keep_margin"] = float(tag[1:])
+    elif tag.startswith("s"):
+        spec["adaptive_shift_sigmas"] = float(tag[1:])
     return label, spec
 
 

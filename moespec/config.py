@@ -73,6 +73,9 @@ class SpeculationSection:
     # adaptive: how much faster than plain decoding a leading draft must stay predicted to keep the
     # lead (at most adaptive_margin, the edge it needs to take it)
     adaptive_keep_margin: float = 0.025
+    # adaptive: standard errors by which the acceptance of the last verify steps must differ from
+    # its running mean for the mean to restart from them (a shift in workload); 0: never
+    adaptive_shift_sigmas: float = 4.0
     # mode mtp: target hidden states a request may hold before the MTP layer runs over them. While
     # steps do not speculate (a prompt, plain decoding) the layer's work waits until a draft is
     # needed, so a request that finishes first never pays for it; at most 1 + k where the layer's
@@ -220,6 +223,9 @@ class EngineConfig:
         if not self.speculation.adaptive_keep_margin >= 0:
             raise ConfigError("speculation.adaptive_keep_margin must be >= 0, got "
                               f"{self.speculation.adaptive_keep_margin!r}")
+        if not self.speculation.adaptive_shift_sigmas >= 0:
+            raise ConfigError("speculation.adaptive_shift_sigmas must be >= 0, got "
+                              f"{self.speculation.adaptive_shift_sigmas!r}")
         decide_every = self.speculation.adaptive_decide_every
         if not (isinstance(decide_every, int) and decide_every >= 1):
             raise ConfigError(f"speculation.adaptive_decide_every must be an integer >= 1, got {decide_every!r}")

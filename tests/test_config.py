@@ -57,6 +57,8 @@ def test_nested_overrides_set_one_key_and_keep_the_others():
     ({"model": {"path": "m"}}, {"speculation.adaptive_sureness": -1}, "speculation.adaptive_sureness must be >= 0"),
     ({"model": {"path": "m"}}, {"speculation.adaptive_keep_margin": -0.01},
      "speculation.adaptive_keep_margin must be >= 0"),
+    ({"model": {"path": "m"}}, {"speculation.adaptive_shift_sigmas": -1},
+     "speculation.adaptive_shift_sigmas must be >= 0"),
     ({"model": {"path": "m"}}, {"speculation.adaptive_decide_every": 0},
      "speculation.adaptive_decide_every must be an integer >= 1"),
     ({}, {}, "model.path is required"),

@@ -63,6 +63,10 @@ class ServerMetrics:
                                          "What a switch from plain decoding to drafting costs: seconds of catch-up "
                                          "beyond a steady step per position the draft catches up on (recent switches)",
                                          registry=r)
+        self.policy_shifts = Gauge("moespec_spec_policy_acceptance_shifts",
+                                   "Times adaptive speculation found recent verify steps' acceptance too far from its "
+                                   "running means (a shift in workload) and restarted them from those steps",
+                                   registry=r)
         self.rank_running = Gauge("moespec_rank_requests_running", "Sequences in a rank's running batch", ["rank"],
                                   registry=r)
         self.rank_waiting = Gauge("moespec_rank_requests_waiting", "Sequences waiting on a rank", ["rank"],
@@ -132,6 +136,7 @@ class ServerMetrics:
             return
         self.policy_explore.set(policy.explore_total)
         self.policy_switch_price.set(policy.switch_price)
+        self.policy_shifts.set(policy.acceptance.shifts)
         for bucket, state in policy.report().items():
             self.policy_predicted_batch.labels(bucket=str(bucket)).set(state["predicted_batch"])
             for choice in {state["choice"], *state["predicted"], *state["measured"]}:

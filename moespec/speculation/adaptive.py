@@ -29,7 +29,10 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   at the tokens it may still emit (a request 2 tokens from max_tokens keeps at most 2, whatever
   it drafts); a tree's own recent mean. Counts decay per policy step, so the estimate follows
   a workload whose acceptance shifts, and while plain decoding runs the uncertainty of a
-  speculative choice grows until it is worth measuring again.
+  speculative choice grows until it is worth measuring again. Where the counts of the last
+  verify steps (16 requests' at least) lie `shift_sigmas` (4) standard errors from the means,
+  the workload has shifted, and the means restart from those counts: a fall is followed within
+  a few steps, a rise as soon as a run measures it.
 
 Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
 than the leader runs, `explore_steps` steps in a row, only where the run is expected to save
@@ -40,13 +43,14 @@ where plain decoding is predicted to win, speculating to find out costs at most 
 starts only while the budget holds; a bucket's first run may overdraw it once). A switch from
 plain decoding starts with a catch-up step: the draft runs over every position it skipped, at
 batch 64 several plain steps' worth. It measures switching, not the choice, so only its time
-counts, and its time beyond a steady step's, per position caught up, prices the next switch: a
-draft is predicted at the rate it would keep over the tokens the step's requests have left, its
-catch-up included (`priced`), and after a bucket's first run, a run starts only where its
-predicted steps and catch-up fit the budget too. Near the end of requests that hold long
-histories, a draft that wins per step loses once the switch is paid. Before any prediction
-exists, each candidate runs `min_samples` steps once (the first bucket the engine meets; others are predicted
-from it), and plain decoding runs `min_samples` steps at every bucket it meets. A choice's first
+counts, and its time beyond a steady step's, per position caught up (and `SWITCH_PRIOR` more
+at no cost), prices the next switch: a draft is predicted at the rate it would keep over the
+tokens the step's requests have left, its catch-up included (`priced`), and after a bucket's
+first run, a run starts only where its predicted steps and catch-up fit the budget too. Near
+the end of requests that hold long histories, a draft that wins per step loses once the switch
+is paid. Before any prediction exists, each candidate runs `min_samples` steps once (the first
+bucket the engine meets; others are predicted from it), and plain decoding runs `min_samples`
+steps at every bucket it meets. A choice's first
 step at a batch size runs its shapes for the first time: the fit gives it a cold term of its own
 (`StepCosts.add`), which predictions leave out.
 
@@ -91,6 +95,7 @@ import numpy as np
 from moespec.speculation.tree import TreeShape
 
 Choice = int | TreeShape  # a chain's draft length (0: none) or a tree
+SWITCH_PRIOR = 256  # positions caught up at no cost that a switch's price starts from (one request's hold)
 
 
 @dataclass
@@ -308,6 +313,13 @@ class Mean:
         return math.sqrt(max(self.square - self.mean ** 2, least_variance) / (self.weight + 1))
 
 
+def shifted(mean: Mean, recent: Mean, sigmas: float) -> bool:
+    """Whether `recent` (counted into `mean` too) lies more than `sigmas` standard errors from it;
+    a share's variance is taken as at least 0.05, so a mean of 0 or 1 does not make it exact."""
+    spread = max(mean.square - mean.mean ** 2, recent.square - recent.mean ** 2, 0.05)
+    return abs(recent.mean - mean.mean) > sigmas * math.sqrt(spread / recent.weight + spread / (mean.weight + 1))
+
+
 class Acceptance:
     """Tokens per request per step of each choice, from recent verify steps: per chain position
     i, the share of requests that drafted it and accepted it (with all before it); per tree (and
@@ -315,12 +327,21 @@ class Acceptance:
     the weight of what was counted by `decay`, so the means follow a shift within tens of steps;
     every plain step by `idle_decay`, closer to 1: while nothing is measured the errors grow
     slowly, so where plain decoding wins speculation is measured again every few hundred steps,
-    not every few tens."""
+    not every few tens. A shift shows sooner: every `shift_window` requests verified, the
+    positions' counts since the last check are compared with the means, and where one differs
+    by more than `shift_sigmas` standard errors (the workload changed, say from code to chat)
+    the means restart from those counts (`follow_shift`): in the simulated model a fall is
+    followed in 12 steps where decay alone took 20-36, and a rise seen by a run's few steps is
+    no longer outweighed by the low counts still held."""
 
-    def __init__(self, decay: float = 0.98, idle_decay: float = 0.995) -> None:
+    def __init__(self, decay: float = 0.98, idle_decay: float = 0.995, shift_sigmas: float = 4.0,
+                 shift_window: int = 16) -> None:
         self.decay, self.idle_decay = decay, idle_decay
+        self.shift_sigmas, self.shift_window = shift_sigmas, shift_window
         self.positions: list[Mean] = []  # [K] P(a > i) among requests that drafted position i
+        self.recent: list[Mean] = []  # [K] ... counted since the last check for a shift
         self.steps: dict[Choice, Mean] = {}  # choice -> tokens per request per step
+        self.shifts = 0  # times the means restarted
 
     def tick(self, speculating: bool) -> None:
         decay = self.decay if speculating else self.idle_decay
@@ -329,9 +350,26 @@ class Acceptance:
 
     def add_verify(self, k: int, num_accepted: list[int]) -> None:
         self.positions += [Mean() for _ in range(k - len(self.positions))]
+        self.recent += [Mean() for _ in range(k - len(self.recent))]
         for i in range(k):
             accepted = sum(a > i for a in num_accepted)
             self.positions[i].add(accepted, accepted, len(num_accepted))
+            self.recent[i].add(accepted, accepted, len(num_accepted))
+        if self.recent[0].weight >= self.shift_window:
+            self.follow_shift()
+
+    def follow_shift(self) -> None:
+        """Where a position's recent counts lie `shift_sigmas` standard errors from its mean, every
+        position restarts: those with recent counts from them, the others keep their mean with
+        no weight (unsure, so a run measures them before they lead)."""
+        if self.shift_sigmas and any(shifted(mean, recent, self.shift_sigmas)
+                                     for mean, recent in zip(self.positions, self.recent) if recent.weight):
+            self.shifts += 1
+            self.positions = [Mean(recent.mean, recent.square, recent.weight) if recent.weight else
+                              Mean(mean.mean, mean.square, 0.0) for mean, recent in zip(self.positions, self.recent)]
+            for mean in self.steps.values():  # each choice's tokens per step, from before the shift
+                mean.weight = 0.0
+        self.recent = [Mean() for _ in self.recent]
 
     def add_step(self, choice: Choice, tokens: float, requests: int) -> None:
         self.steps.setdefault(choice, Mean()).add(tokens * requests, tokens ** 2 * requests, requests)
@@ -369,7 +407,8 @@ class SpeculationPolicy:
     def __init__(self, max_tokens: int, schedule: dict | None = None, adaptive: bool = True,
                  explore_share: float = 0.02, explore_steps: int = 3, min_samples: int = 2,
                  margin: float = 0.05, trees: tuple[TreeShape, ...] = (), accept_decay: float = 0.98,
-                 sureness: float = 1.0, decide_every: int = 8, keep_margin: float = 0.025) -> None:
+                 sureness: float = 1.0, decide_every: int = 8, keep_margin: float = 0.025,
+                 shift_sigmas: float = 4.0) -> None:
         self.max_tokens = max_tokens
         self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
@@ -378,7 +417,7 @@ class SpeculationPolicy:
         self.margin, self.sureness, self.decide_every = margin, sureness, decide_every
         self.keep_margin = keep_margin
         self.costs = StepCosts()
-        self.acceptance = Acceptance(accept_decay)
+        self.acceptance = Acceptance(accept_decay, shift_sigmas=shift_sigmas)
         self.measures: dict[tuple[int, Choice], Measure] = {}  # (bucket, choice) -> measured, for /metrics
         self.steps: dict[int, int] = {}  # bucket -> steps the policy chose
         self.explored: dict[int, int] = {}  # bucket -> ... of them to measure a choice, not to run the leader
@@ -478,9 +517,13 @@ class SpeculationPolicy:
 
     @property
     def switch_price(self) -> float:
-        """Seconds a catch-up costs per position, beyond a steady step (0 before one is measured)."""
+        """Seconds a catch-up costs per position, beyond a steady step (0 before one is measured).
+        The positions count `SWITCH_PRIOR` more, at no cost: one catch-up over a few positions is
+        as noisy as a step, and its noise taken as its price, times the hundreds of positions a
+        later switch catches up on, priced that switch at several steps (a first catch-up over 8
+        positions 0.7 ms slow kept a draft from being measured again for 1,000 steps)."""
         seconds, positions = self.switches
-        return max(seconds, 0.0) / positions if positions else 0.0
+        return max(seconds, 0.0) / (positions + SWITCH_PRIOR) if positions else 0.0
 
     @staticmethod
     def priced(prediction: Prediction, choice: Choice, switch_s: float, tokens_left: int) -> Prediction:
