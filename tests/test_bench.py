@@ -183,3 +183,26 @@ def test_sliced_turns_interleave_engines_and_count_only_their_own_steps():
     assert 0.001 < a_short.ttft < 0.02 and a_long.finished_time == seconds["a"]
     assert a_long.tpot == (a_long.finished_time - a_long.first_token_time) / 19 < 0.004
     assert [len(outs[label]) for label in engines] == [2, 2]
+
+
+def test_bench_shift_counts_every_token_per_phase_and_what_adaptive_ran(tmp_path):
+    """benchmarks/bench_shift.py: a stream of two phases through plain decoding, an adaptive and a
+    static draft. Every engine emits every requested token (the steps' counts add up to the
+    requests' max_tokens), each phase has a rate per mode, and the adaptive mode's choices over
+    each phase add up to its decode steps there."""
+    cfg = tiny_llama_config(tmp_path)
+    out = tmp_path / "s.json"
+    result = subprocess.run([sys.executable, "benchmarks/bench_shift.py", "--config", str(cfg),
+                             "--modes", "none,draft:2,draft:2@static", "--phases", "code@0,random@1", "--batch", "2",
+                             "--waves", "2", "--prompt-len", "12", "--max-tokens", "6", "--repeats", "1",
+                             "--turn-seconds", "0.05", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    (repeat,) = report["repeats"]
+    assert set(repeat["speedup"]) == {"draft:2", "draft:2@static"} and all(len(v) == 2 for v in repeat["speedup"].values())
+    assert all(rate > 0 for rates in repeat["rates"].values() for rate in rates)
+    assert all(sum(repeat["tokens"][label]) == repeat["requested_tokens"] for label in repeat["tokens"])
+    (follows,) = repeat["follow"].values()  # the adaptive mode only
+    for phase in follows:
+        assert sum(n for _, n in phase["choices"]) == phase["steps_in_phase"]
+        assert phase["steps_to_follow"] is None or 0 <= phase["steps_to_follow"] < phase["steps_in_phase"]
