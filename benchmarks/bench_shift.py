@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from bench_sureness import parse_tagged_mode  # benchmarks/, this script's own folder
+
 from moespec import bench
 from moespec.machine import run_info
 
@@ -42,7 +44,6 @@ logger = logging.getLogger("bench_shift")
 
 @dataclasses.dataclass
 class Step:
-    clock: float  # the engine's own clock after the step, seconds
     seconds: float
     tokens: int  # tokens the step emitted, over every request
     phase: int  # the phase most of the step's requests belong to (-1: none running)
@@ -123,8 +124,7 @@ def run_stream(engines: dict, prompts: list[list[list[int]]], params: list[list]
                 seconds = time.perf_counter() - start
                 clock[label] += seconds
                 choice, leader = choices[label][-1] if len(choices[label]) > chosen else ("", "")
-                steps[label].append(Step(clock[label], seconds, emitted(seqs[label]) - before, phase, running,
-                                          choice, leader))
+                steps[label].append(Step(seconds, emitted(seqs[label]) - before, phase, running, choice, leader))
     for label, llm in engines.items():
         del llm.engine.policy.choose  # the class's own again
     return steps
@@ -166,9 +166,27 @@ def follow(steps: list[Step], phase: int, speculate: bool) -> dict:
             "choices": compress([s.choice for s in seen])}
 
 
+def parse_shift_mode(text: str) -> tuple[str, dict]:
+    """A --modes entry: `MODE@static` runs MODE with adaptive speculation off; the others run
+    adaptive, with bench_sureness's tags (`@sN`: adaptive_shift_sigmas = N, ...)."""
+    static = text.partition("@")[2] == "static"
+    label, spec = bench.parse_mode(text) if static else parse_tagged_mode(text)
+    return label, {**spec, "adaptive": not static and spec["mode"] != "none"}
+
+
+def build_engines(base, modes: list[tuple[str, dict]], batch: int) -> dict:
+    """One engine per mode, `batch` requests at most, prefix cache off (every mode prefills alike)."""
+    from moespec.llm import LLM
+
+    scheduler = dataclasses.replace(base.scheduler, max_num_seqs=batch)
+    cache = dataclasses.replace(base.cache, prefix_caching=False)
+    return {label: LLM(config=dataclasses.replace(base, scheduler=scheduler, cache=cache,
+                                                  speculation=dataclasses.replace(base.speculation, **spec)))
+            for label, spec in modes}
+
+
 def run(args) -> dict:
     from moespec.arguments import load_engine_config
-    from moespec.llm import LLM
     from moespec.models import load_tokenizer
     from moespec.sampling import SamplingParams
 
@@ -176,25 +194,13 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     base = load_engine_config(args)
     phases = parse_phases(args.phases)
-    modes = []
-    for text in args.modes.split(","):
-        label, spec = bench.parse_mode(text)
-        tag = text.partition("@")[2]
-        if tag.startswith("s") and tag != "static":
-            spec["adaptive_shift_sigmas"] = float(tag[1:])
-        modes.append((label, {**spec, "adaptive": tag != "static" and spec["mode"] != "none"}))
+    modes = [parse_shift_mode(text) for text in args.modes.split(",")]
     tokenizer = load_tokenizer(base.model.tokenizer or base.model.path)
     prompts = build_prompts(args, tokenizer, phases)
     lengths = bench.output_lengths(args.waves * args.batch * len(phases), args.max_tokens, args.max_tokens_spread)
     params = [[SamplingParams(temperature=t, max_tokens=lengths[i * len(ps) + j], ignore_eos=True, seed=0)
                for j in range(len(ps))] for i, ((_, t), ps) in enumerate(zip(phases, prompts))]
-    engines = {}
-    for label, spec in modes:
-        scheduler = dataclasses.replace(base.scheduler, max_num_seqs=args.batch)
-        fields = {**vars(base.speculation), **spec}
-        engines[label] = LLM(config=dataclasses.replace(
-            base, scheduler=scheduler, cache=dataclasses.replace(base.cache, prefix_caching=False),
-            speculation=dataclasses.replace(base.speculation, **fields)))
+    engines = build_engines(base, modes, args.batch)
     warmup = bench.heldout_prompts(tokenizer, args.batch + 1, args.prompt_len)[-1:] * args.batch
     for llm in engines.values():  # warm-up, and adaptive speculation's first measurement of each choice
         llm.generate(warmup, SamplingParams(max_tokens=bench.WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)

@@ -1,8 +1,9 @@
 """`moespec bench` where a mode tagged `@zN` runs with speculation.adaptive_sureness = N (`@dN`:
-adaptive_decide_every = N; `@kN`: adaptive_keep_margin = N; `@sN`: adaptive_shift_sigmas = N), so that the adaptive policy with
-and without its sureness rule (a decision every step, a keep margin) runs side by side in one
-bench, on the same prompts and turns (docs/benchmarks.md, "Drafts start only where known to
-win", "Decisions held between steps", "A leading draft keeps a margin"):
+adaptive_decide_every = N; `@kN`: adaptive_keep_margin = N; `@sN`: adaptive_shift_sigmas = N),
+so that the adaptive policy with and without its sureness rule (a decision every step, a keep
+margin, a restart on a shift) runs side by side in one bench, on the same prompts and turns
+(docs/benchmarks.md, "Drafts start only where known to win", "Decisions held between steps",
+"A leading draft keeps a margin", "A shift in workload, and acceptance that restarts"):
 
   .venv/bin/python benchmarks/bench_sureness.py --config configs/smollm2-135m-mtp.yaml \
       --modes none,mtp:3@z0,mtp:3@z1 --adaptive on --batch-sizes 16,32 --repeats 5 \

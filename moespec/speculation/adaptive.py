@@ -32,7 +32,8 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   speculative choice grows until it is worth measuring again. Where the counts of the last
   verify steps (16 requests' at least) lie `shift_sigmas` (4) standard errors from the means,
   the workload has shifted, and the means restart from those counts: a fall is followed within
-  a few steps, a rise as soon as a run measures it.
+  a few steps, a rise once a run's counts show it that surely (at batch 4 a 3-step run's 12
+  requests cannot).
 
 Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
 than the leader runs, `explore_steps` steps in a row, only where the run is expected to save
@@ -50,9 +51,9 @@ first run, a run starts only where its predicted steps and catch-up fit the budg
 the end of requests that hold long histories, a draft that wins per step loses once the switch
 is paid. Before any prediction exists, each candidate runs `min_samples` steps once (the first
 bucket the engine meets; others are predicted from it), and plain decoding runs `min_samples`
-steps at every bucket it meets. A choice's first
-step at a batch size runs its shapes for the first time: the fit gives it a cold term of its own
-(`StepCosts.add`), which predictions leave out.
+steps at every bucket it meets. A choice's first step at a batch size runs its shapes for the
+first time: the fit gives it a cold term of its own (`StepCosts.add`), which predictions leave
+out.
 
 The leader stays unless another choice is predicted `margin` (5%) faster; plain decoding takes
 over as soon as a leading draft is no longer predicted `keep_margin` (2.5%) faster: within the
