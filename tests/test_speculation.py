@@ -247,10 +247,12 @@ def test_policy_picks_the_fastest_draft_length_or_plain_decoding():
     costs = {2: (1.03, 0.010), 1: (1.02, 0.010), 0: (1.0, 0.010)}
     assert run(32, costs, 100)[6:] == [0] * 94
     # without a margin, and with no standard error asked below the prediction, the same measurements
-    # pick speculation; with one (the default) the 3% is within the prediction's error: one run of 3
-    # steps measures k=2, then plain decoding
+    # pick speculation; with one (the default) the 3% is within the prediction's error after one
+    # run of 3 steps, which goes on while k=2 is predicted ahead, not surely (`EXTEND_RUNS`): it is
+    # sure before they end; 1% is not (3 runs, then plain decoding)
     assert run(32, costs, 100, margin=0.0, sureness=0.0)[6:] == [2] * 94
-    assert run(32, costs, 100, margin=0.0)[6:] == [2] * 3 + [0] * 91
+    assert run(32, costs, 100, margin=0.0)[6:] == [2] * 94
+    assert run(32, {2: (1.01, 0.010), 1: (1.0, 0.010), 0: (1.0, 0.010)}, 100, margin=0.0)[6:] == [2] * 9 + [0] * 85
 
 
 @pytest.mark.parametrize("mode", ["mtp", "draft"])

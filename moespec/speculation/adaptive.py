@@ -12,16 +12,18 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   (B*(1+k) tokens verified, k draft forwards), each tree `a + b*B`, each plus a cold term
   for a first step at a batch size (left out of predictions), with outliers (steps taken in a
   burst of load) reweighted once; a line in B never slopes down (a bucket's batch sizes are too
-  close together to tell its slope from noise: plain decoding's is then flat), and a chain's
-  slope is at least the prior's below. Samples weigh less the further their bucket is from the
-  one predicted (a quarter per doubling) and the older they are, so the fit is local where
-  there is data and a line across buckets where there is not:
-  a bucket never run is predicted from its neighbours. The slope terms carry a small ridge
-  toward a prior: none for plain decoding, so measured at one batch size only it extrapolates
-  flat; for a draft, its verify's share of plain decoding's slope (a chain of k verifies 1 + k
-  tokens per request), so a draft measured only at a high load, where it lost, is predicted at
-  a low one from how plain decoding's steps shrink there, and tried; a draft's cold term
-  shrinks toward plain decoding's, which its many batch sizes run both cold and again measure.
+  close together to tell its slope from noise: plain decoding's is then flat), a chain's
+  slope is at least the prior's below, and a length the fit did not measure costs at least a
+  plain step plus its share of what the next longer one adds (`StepCosts.least_chain`).
+  Samples weigh less the further their bucket is from the one predicted (a quarter per
+  doubling) and the older they are, so the fit is local where there is data and a line across
+  buckets where there is not: a bucket never run is predicted from its neighbours. The slope
+  terms carry a small ridge toward a prior: none for plain decoding, so measured at one batch
+  size only it extrapolates flat; for a draft, its verify's share of plain decoding's slope (a
+  chain of k verifies 1 + k tokens per request), so a draft measured only at a high load, where
+  it lost, is predicted at a low one from how plain decoding's steps shrink there, and tried; a
+  draft's cold term shrinks toward plain decoding's, which its many batch sizes run both cold
+  and again measure.
 - E_c, tokens per request per step: 1 for plain decoding; for a chain of k, 1 + sum over
   positions i <= k of P(a >= i), a the drafts a request's verify accepted, counted per position
   from recent verify steps whatever length ran (`Acceptance`), so a length never run is
@@ -30,10 +32,10 @@ per second: plain decoding, a chain of k or of a power of two below it, or a dra
   it drafts); a tree's own recent mean. Counts decay per policy step, so the estimate follows
   a workload whose acceptance shifts, and while plain decoding runs the uncertainty of a
   speculative choice grows until it is worth measuring again. Where the counts of the last
-  verify steps (16 requests' at least) lie `shift_sigmas` (4) standard errors from the means,
-  the workload has shifted, and the means restart from those counts: a fall is followed within
-  a few steps, a rise once a run's counts show it that surely (at batch 4 a 3-step run's 12
-  requests cannot).
+  verify steps (the last 16, 32, 48 or 64 requests') lie `shift_sigmas` (4) standard errors
+  from the means, the workload has shifted, and the means restart from those counts: a fall is
+  followed within a few steps, a rise once a run's counts show it that surely (at batch 4 a
+  3-step run's 12 requests cannot).
 
 Each prediction has a standard error (the fit's, and the acceptance counts'). A choice other
 than the leader runs, `explore_steps` steps in a row, only where the run is expected to save
@@ -41,7 +43,9 @@ more than it costs (`worth`: what the choice may gain over the leader within its
 steps one measurement informs, against the run's steps and catch-up), and only while exploration
 stays within `explore_share` (2%) of the bucket's steps and of its time, so at a batch size
 where plain decoding is predicted to win, speculating to find out costs at most that (a run
-starts only while the budget holds; a bucket's first run may overdraw it once). A switch from
+starts only while the budget holds; a bucket's first run may overdraw it once, and a run that
+ends with its draft predicted faster goes on for `EXTEND_RUNS` runs at most: at batch 4 one
+run's 12 requests seldom show a rise in acceptance surely). A switch from
 plain decoding starts with a catch-up step: the draft runs over every position it skipped, at
 batch 64 several plain steps' worth. It measures switching, not the choice, so only its time
 counts, and its time beyond a steady step's, per position caught up (and `SWITCH_PRIOR` more
@@ -93,10 +97,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moespec.speculation.step_costs import Choice, StepCosts
 from moespec.speculation.tree import TreeShape
 
-Choice = int | TreeShape  # a chain's draft length (0: none) or a tree
 SWITCH_PRIOR = 256  # positions caught up at no cost that a switch's price starts from (one request's hold)
+SHIFT_WINDOWS = 4  # windows of requests that the counts compared with the means span at most
+EXTEND_RUNS = 2  # runs that may follow a run whose draft ends predicted faster, whatever the budget
 
 
 @dataclass
@@ -135,167 +141,6 @@ class Prediction:
         return sigma * density + (self.rate - best) * 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def family(choice: Choice) -> str | TreeShape:
-    return choice if isinstance(choice, TreeShape) else "chain" if choice else "plain"
-
-
-def features(choice: Choice, batch_size: int, cold: bool = False) -> list[float]:
-    """The fit's inputs for one step; B scaled by 1/16 so that the ridge weighs terms alike; the
-    last is 1 for a choice's first step at a batch size (`cold`), 0 in every prediction."""
-    b = batch_size / 16
-    if isinstance(choice, int) and choice:
-        return [1.0, float(choice), b, b * choice, float(cold)]
-    return [1.0, b, float(cold)]
-
-
-class Samples:
-    """One family's recent steps at one bucket, in a ring buffer: features and seconds."""
-
-    def __init__(self, window: int, width: int) -> None:
-        self.x = np.zeros((window, width))  # [N, F]
-        self.y = np.zeros(window)  # [N]
-        self.added = 0
-
-    def add(self, x: list[float], y: float) -> None:
-        i = self.added % len(self.y)
-        self.x[i], self.y[i] = x, y
-        self.added += 1
-
-    def filled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Features [N, F], seconds [N] and each sample's age in samples of this bucket [N]."""
-        n, window = min(self.added, len(self.y)), len(self.y)
-        ages = (self.added - 1 - np.arange(n)) % window
-        return self.x[:n], self.y[:n], ages
-
-
-class StepCosts:
-    """Seconds per step, per family, as a weighted least-squares fit over its recent samples
-    (the last `window` per bucket: a bucket's samples make way only for newer ones of it)."""
-
-    def __init__(self, window: int = 128, half_life: float = 64.0, locality: float = 0.25,
-                 ridge: float = 0.1, noise_floor: float = 0.02, refit_every: int = 8) -> None:
-        self.window, self.half_life, self.locality = window, half_life, locality
-        self.ridge, self.noise_floor, self.refit_every = ridge, noise_floor, refit_every
-        self.samples: dict[object, dict[int, Samples]] = {}  # family -> log2 bucket -> its steps
-        self.added: dict[object, int] = {}  # family -> samples so far
-        self.counts: dict[Choice, int] = {}
-        self.counts_at: dict[tuple[object, int], int] = {}  # (family, log2 bucket) -> steps
-        self.shapes: set[tuple[Choice, int]] = set()  # (choice, batch size) of the steps so far
-        # (family, log2 bucket) -> (the family's samples when fitted, predictions since, fit)
-        self.fits: dict[tuple[object, int], list] = {}
-
-    def add(self, batch_size: int, choice: Choice, seconds: float) -> None:
-        """A step's seconds. The first at a (choice, batch size) is fitted as cold (`features`):
-        its shapes ran for the first time (on the CPU, oneDNN builds a kernel per new row count),
-        a cost the steps after it do not pay, which the fit's cold term takes (one per family,
-        from the batch sizes it ran both cold and again) and no prediction includes. So a run
-        that measures a draft at batch sizes it never ran (a draining batch's) still informs its
-        line. Left out of the fit, they taught it nothing: SmolLM2 at batch 64, T = 0.7, had
-        k = 1 predicted at +-60% at batch 44 when a run started there, and runs came back every
-        repeat. Fitted with no cold term, their cost raised a tiny model's draft predictions until
-        plain decoding ran where drafts won (docs/benchmarks.md)."""
-        shape, key, bucket = (choice, batch_size), family(choice), log2_bucket(batch_size)
-        self.counts[choice] = self.counts.get(choice, 0) + 1
-        self.counts_at[key, bucket] = self.counts_at.get((key, bucket), 0) + 1
-        cold = shape not in self.shapes
-        self.shapes.add(shape)
-        x = features(choice, batch_size, cold)
-        buckets = self.samples.setdefault(key, {})
-        buckets.setdefault(bucket, Samples(self.window, len(x))).add(x, seconds)
-        self.added[key] = self.added.get(key, 0) + 1
-
-    def count(self, choice: Choice) -> int:
-        return self.counts.get(choice, 0)
-
-    def count_at(self, choice: Choice, batch_size: int) -> int:
-        """Steps of choice's family run at batch_size's bucket."""
-        return self.counts_at.get((family(choice), log2_bucket(batch_size)), 0)
-
-    def predict(self, batch_size: int, choice: Choice, peek: bool = False) -> tuple[float, float] | None:
-        """Seconds of one step and its standard error; None before the family has a sample.
-        `peek`: from the fits as they stand, none redone or counted as used for it."""
-        fitted = self.fitted(family(choice), log2_bucket(batch_size), choice, peek)
-        if fitted is None:
-            return None
-        theta, inverse, noise, floor = fitted
-        x = np.array(features(choice, batch_size))  # warm: not a first step at this batch size
-        seconds = max(float(x @ theta), floor)
-        return seconds, math.sqrt(noise * float(x @ inverse @ x))
-
-    def fitted(self, key, where: int, choice: Choice, peek: bool = False) -> tuple | None:
-        """The family's fit at a log2 bucket, redone after a new sample (its own, or plain
-        decoding's, which sets its prior), at most once per `refit_every` predictions or samples."""
-        if key not in self.samples:
-            return None
-        added = self.added[key] + (self.added.get("plain", 0) if key != "plain" else 0)
-        cached = self.fits.get((key, where))
-        if peek:
-            return cached[2] if cached else self.fit(self.samples[key], where, self.prior(choice, where, peek))
-        if cached is None or (added > cached[0] and (cached[1] >= self.refit_every
-                                                     or added - cached[0] >= self.refit_every)):
-            cached = self.fits[key, where] = [added, 0, self.fit(self.samples[key], where, self.prior(choice, where))]
-        cached[1] += 1
-        return cached[2]
-
-    def prior(self, choice: Choice, where: int, peek: bool = False) -> np.ndarray | None:
-        """What the slope terms shrink toward (the ridge's centre): for plain decoding 0; for a
-        draft its verify's share of plain decoding's slope at this bucket, a chain of k verifying
-        1 + k tokens per request and a tree its nodes. So a draft measured at one batch size only
-        is predicted at smaller ones from how plain decoding's steps shrink (the verify part of its
-        step at least), not flat: at a low load the draft is predicted cheaper there and tried."""
-        if choice == 0 or "plain" not in self.samples:
-            return None
-        plain = self.fitted("plain", where, 0, peek)[0]
-        slope, cold = max(float(plain[1]), 0.0), max(float(plain[2]), 0.0)  # seconds per 16 requests; per cold step
-        if isinstance(choice, TreeShape):
-            return np.array([0.0, slope * (1 + choice.num_draft_tokens), cold])
-        return np.array([0.0, 0.0, slope, slope, cold])  # a + d*k + b*B + e*B*k + cold: B*(1+k) tokens verified
-
-    def solve(self, x: np.ndarray, y: np.ndarray, w: np.ndarray,
-              prior: np.ndarray | None = None, pinned: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Coefficients [F] and the inverse normal matrix [F, F]; the other terms shrink toward
-        `prior` [F] (0 without), the intercept not at all; `pinned`: terms held at the prior's."""
-        penalty = np.full(x.shape[1], self.ridge * w.sum() / len(w))
-        penalty[0] = 1e-9
-        if pinned is not None:
-            penalty[pinned] = 1e6 * w.sum()
-        inverse = np.linalg.inv((x * w[:, None]).T @ x + np.diag(penalty))
-        centre = 0.0 if prior is None else penalty * prior
-        return inverse @ ((x * w[:, None]).T @ y + centre), inverse
-
-    def fit(self, buckets: dict[int, Samples], where: int, prior: np.ndarray | None = None) -> tuple:
-        """Weighted ridge least squares, outliers reweighted once: the coefficients, the inverse
-        normal matrix, the noise variance per unit weight, and a floor for predictions (a quarter
-        of the cheapest step seen)."""
-        parts = [(*samples.filled(), abs(b - where)) for b, samples in buckets.items()]
-        x = np.concatenate([p[0] for p in parts])  # [N, F]
-        y = np.concatenate([p[1] for p in parts])  # [N]
-        w = np.concatenate([0.5 ** (p[2] / self.half_life) * self.locality ** p[3] for p in parts])  # [N]
-        theta, inverse = self.solve(x, y, w, prior)
-        residual = y - x @ theta
-        # one reweighting pass (Huber): a step taken in a burst of load on a shared machine
-        # weighs as if it were 2.5 robust deviations off, not its full distance
-        scale = 1.4826 * float(np.median(np.abs(residual))) + 1e-12
-        w = w * np.minimum(1.0, 2.5 * scale / (np.abs(residual) + 1e-12))
-        theta, inverse = self.solve(x, y, w, prior)
-        mean = float((w * y).sum() / w.sum())
-        floor = np.zeros(x.shape[1]) if prior is None else prior  # the least slopes in B
-        if x.shape[1] == 3 and theta[1] < 0:  # a + b*B sloping down: flat (its slope held at 0)
-            theta, inverse = self.solve(x, y, w, np.zeros(3), pinned=slice(1, 2))
-        elif x.shape[1] == 5 and min((theta - floor)[2:4] @ [1.0, k] for k in (1.0, float(x[:, 1].max()))) < 0:
-            # a chain whose step grows with B slower than its verify's tokens would in plain
-            # decoding, for some length: its slopes at the prior's
-            theta, inverse = self.solve(x, y, w, prior, pinned=slice(2, 4))
-        residual = y - x @ theta
-        dof = max(w.sum() - x.shape[1], 1.0)
-        noise = max(float((w * residual ** 2).sum()) / dof, (self.noise_floor * mean) ** 2)
-        return theta, inverse, noise, 0.25 * float(y.min())
-
-
-def log2_bucket(batch_size: int) -> int:
-    return (batch_size - 1).bit_length()
-
-
 @dataclass
 class Mean:
     """A mean over samples whose weight decays (the mean stays as their weight goes)."""
@@ -310,8 +155,21 @@ class Mean:
         self.square += (squares - count * self.square) / self.weight
 
     def error(self, least_variance: float) -> float:
-        """Standard error of the mean, with each sample's variance at least `least_variance`."""
-        return math.sqrt(max(self.square - self.mean ** 2, least_variance) / (self.weight + 1))
+        """Standard error of the mean, with each sample's variance at least `least_variance`, its
+        weight taken as 0.1 sample more: with none left (counts that decayed while plain decoding
+        ran) the error is 3 samples' spread, so the mean is as good as unknown and a run measures
+        it once the budget allows. With 1 sample more, a share of 0.08 whose counts had all decayed
+        stayed within +-0.27 and no run was worth it: after a simulated rise in acceptance 9 of 40
+        seeds ran no draft within 1,000 steps (now none; `SpeculationPolicy.probe`)."""
+        return math.sqrt(max(self.square - self.mean ** 2, least_variance) / (self.weight + 0.1))
+
+
+def merged(means: list[Mean]) -> Mean:
+    total = Mean()
+    for mean in means:
+        if mean.weight:
+            total.add(mean.mean * mean.weight, mean.square * mean.weight, mean.weight)
+    return total
 
 
 def shifted(mean: Mean, recent: Mean, sigmas: float) -> bool:
@@ -329,12 +187,14 @@ class Acceptance:
     every plain step by `idle_decay`, closer to 1: while nothing is measured the errors grow
     slowly, so where plain decoding wins speculation is measured again every few hundred steps,
     not every few tens. A shift shows sooner: every `shift_window` requests verified, the
-    positions' counts since the last check are compared with the means, and where one differs
-    by more than `shift_sigmas` standard errors (the workload changed, say from code to chat)
-    the means restart from those counts (`follow_shift`): in the simulated model a fall is
-    followed in 12 steps where decay alone took 20-36, and a rise that a run's steps show surely
-    replaces the low counts still held rather than being averaged with them. A run of 3 steps
-    at batch 4 verifies 12 requests: too few to tell 0.56 from 0.17 at 4 standard errors."""
+    positions' counts of the last 1 to `SHIFT_WINDOWS` windows are compared with the means, and
+    where one differs by more than `shift_sigmas` standard errors (the workload changed, say from
+    code to chat) the means restart from those counts (`follow_shift`): in the simulated model
+    (40 seeds) a fall is followed in 11 steps in the median, 19 at most (decay alone: 20-36
+    steps; one window at a time, with the errors of `Mean.error` before: up to 53), and a rise
+    that a run's steps show surely replaces the low counts still held rather than being
+    averaged with them. A run of 3 steps at batch 4 verifies 12 requests: too few to tell 0.56
+    from 0.17 at 4 standard errors."""
 
     def __init__(self, decay: float = 0.98, idle_decay: float = 0.995, shift_sigmas: float = 4.0,
                  shift_window: int = 16) -> None:
@@ -342,6 +202,7 @@ class Acceptance:
         self.shift_sigmas, self.shift_window = shift_sigmas, shift_window
         self.positions: list[Mean] = []  # [K] P(a > i) among requests that drafted position i
         self.recent: list[Mean] = []  # [K] ... counted since the last check for a shift
+        self.windows: list[list[Mean]] = []  # the last SHIFT_WINDOWS windows of recent counts, newest last
         self.steps: dict[Choice, Mean] = {}  # choice -> tokens per request per step
         self.shifts = 0  # times the means restarted
 
@@ -361,17 +222,27 @@ class Acceptance:
             self.follow_shift()
 
     def follow_shift(self) -> None:
-        """Where a position's recent counts lie `shift_sigmas` standard errors from its mean, every
-        position restarts: those with recent counts from them, the others keep their mean with
-        no weight (unsure, so a run measures them before they lead)."""
-        if self.shift_sigmas and any(shifted(mean, recent, self.shift_sigmas)
-                                     for mean, recent in zip(self.positions, self.recent) if recent.weight):
-            self.shifts += 1
-            self.positions = [Mean(recent.mean, recent.square, recent.weight) if recent.weight else
-                              Mean(mean.mean, mean.square, 0.0) for mean, recent in zip(self.positions, self.recent)]
-            for mean in self.steps.values():  # each choice's tokens per step, from before the shift
-                mean.weight = 0.0
+        """Where the counts of the last 1, 2, ... `SHIFT_WINDOWS` windows lie, at some position,
+        `shift_sigmas` standard errors from its mean, every position restarts: those with such
+        counts from them, the others keep their mean with no weight (unsure, so a run measures
+        them before they lead). One window of 16 requests tells 0.78 from 0.3 at 4 standard
+        errors only where it happens to count 0.28 or less; compared one window at a time, a
+        simulated fall went 24 steps unseen and left its old counts for hundreds of steps."""
+        self.windows = (self.windows + [self.recent])[-SHIFT_WINDOWS:]
         self.recent = [Mean() for _ in self.recent]
+        for n in range(1, len(self.windows) + 1) if self.shift_sigmas else ():
+            counts = [merged([w[i] for w in self.windows[-n:] if i < len(w)]) for i in range(len(self.positions))]
+            if any(shifted(mean, c, self.shift_sigmas) for mean, c in zip(self.positions, counts) if c.weight):
+                self.restart(counts)
+                return
+
+    def restart(self, counts: list[Mean]) -> None:
+        self.shifts += 1
+        self.positions = [Mean(c.mean, c.square, c.weight) if c.weight else Mean(mean.mean, mean.square, 0.0)
+                          for mean, c in zip(self.positions, counts)]
+        for mean in self.steps.values():  # each choice's tokens per step, from before the shift
+            mean.weight = 0.0
+        self.windows = []
 
     def add_step(self, choice: Choice, tokens: float, requests: int) -> None:
         self.steps.setdefault(choice, Mean()).add(tokens * requests, tokens ** 2 * requests, requests)
@@ -427,7 +298,7 @@ class SpeculationPolicy:
         self.leaders: dict[int, Choice] = {}  # bucket -> the choice predicted fastest
         self.predicted: dict[int, dict[Choice, float]] = {}  # bucket -> choice -> tokens/s, at the last step
         self.predicted_batch: dict[int, int] = {}  # bucket -> the batch size of that step
-        self.runs: dict[int, tuple[Choice, int]] = {}  # bucket -> (choice, steps left) of an exploration
+        self.runs: dict[int, tuple[Choice, int, int]] = {}  # bucket -> (choice, steps left, runs it may add)
         self.held: dict[int, int] = {}  # bucket -> steps its leader still runs without a decision
         self.seconds: dict[int, float] = {}  # bucket -> wall time of its steps
         self.explored_seconds: dict[int, float] = {}  # bucket -> ... of them running a choice not the leader
@@ -498,9 +369,13 @@ class SpeculationPolicy:
             left = int(rooms.sum())
             priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, priced)
-        unsure = None  # a draft that would lead were predictions exact, at a bucket with no run yet
+        # a draft to measure whatever the budget: at a bucket with no run yet, one that would lead
+        # were predictions exact; where a run ends that may go on, one predicted faster at all
+        unsure, (_, left, more) = None, self.runs.get(bucket, (0, 1, 0))
         if leader == 0 and not self.explored.get(bucket):
             unsure = self.lead(bucket, priced, sure=False) or None
+        elif leader == 0 and left == 0 and more:
+            unsure = max(priced, key=lambda c: priced[c].rate) or None
         probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0, unsure)
         if probe is not None:
             return self.explore(bucket, probe)
@@ -564,14 +439,21 @@ class SpeculationPolicy:
         only where their steps and catch-up (`switch_s`), predicted, fit too: at batch 64 one
         catch-up on every request's history took 0.86 s, a tenth of a repeat. `predictions`:
         per step, not priced against the tokens left. `unsure`: a draft predicted to lead, too
-        loosely to (`lead`), at a bucket with no run yet: its run starts whatever the budget."""
-        choice, left = self.runs.pop(bucket, (None, 0))
+        loosely to (`lead`), at a bucket with no run yet, or predicted faster at all where a run
+        ends: its run starts whatever the budget (after a run, `EXTEND_RUNS` times at most, so a
+        run goes on while its draft looks faster). At batch 4 a run of 3 steps verifies 12 requests, seldom enough to
+        show surely a rise in acceptance while plain decoding ran, and the next run waits on the
+        budget (a few hundred steps). In the simulated model's rise (`test_adaptive.py`, 40
+        seeds) a draft leads again after 139 steps in the median, 639 at most; without the runs
+        that go on, 151 and 882 (docs/benchmarks.md)."""
+        choice, left, more = self.runs.pop(bucket, (None, 0, 0))
         if left > 0 and choice != leader and choice in predictions:
-            self.runs[bucket] = (choice, left - 1)
+            self.runs[bucket] = (choice, left - 1, more)
             return choice
-        if unsure is not None:  # the bucket's first run, whatever the budget: a draft predicted to lead
-            self.runs[bucket] = (unsure, self.explore_steps - 1)
-            return unsure
+        if unsure is not None:  # whatever the budget: a draft predicted to lead, loosely
+            return self.start_run(bucket, unsure, more - 1 if choice is not None else EXTEND_RUNS)
+        if leader != 0 and self.costs.age(0, bucket) >= self.costs.stale:  # whatever the budget too
+            return self.start_run(bucket, 0, 0, self.min_samples)  # the baseline measured again (`StepCosts`)
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
@@ -584,7 +466,10 @@ class SpeculationPolicy:
             return None
         if explored_s and explored_s + self.explore_steps * predictions[choice].seconds + switch_s > budget_s:
             return None  # the run's steps and its catch-up, predicted, would overdraw the time
-        self.runs[bucket] = (choice, self.explore_steps - 1)
+        return self.start_run(bucket, choice, EXTEND_RUNS)
+
+    def start_run(self, bucket: int, choice: Choice, more: int, steps: int = 0) -> Choice:
+        self.runs[bucket] = (choice, (steps or self.explore_steps) - 1, more)
         return choice
 
     def worth(self, leader: Prediction, other: Prediction, switch_s: float) -> float:
