@@ -441,11 +441,13 @@ class SpeculationPolicy:
         per step, not priced against the tokens left. `unsure`: a draft predicted to lead, too
         loosely to (`lead`), at a bucket with no run yet, or predicted faster at all where a run
         ends: its run starts whatever the budget (after a run, `EXTEND_RUNS` times at most, so a
-        run goes on while its draft looks faster). At batch 4 a run of 3 steps verifies 12 requests, seldom enough to
-        show surely a rise in acceptance while plain decoding ran, and the next run waits on the
-        budget (a few hundred steps). In the simulated model's rise (`test_adaptive.py`, 40
-        seeds) a draft leads again after 139 steps in the median, 639 at most; without the runs
-        that go on, 151 and 882 (docs/benchmarks.md)."""
+        run goes on while its draft looks faster). At batch 4 a run of 3 steps verifies 12
+        requests, seldom enough to show surely a rise in acceptance while plain decoding ran, and
+        the next run waits on the budget (a few hundred steps). In the simulated model's rise
+        (`test_adaptive.py`, 40 seeds) a draft leads again after 139 steps in the median, 639 at
+        most; without the runs that go on, 151 and 882 (docs/benchmarks.md). Where a draft leads
+        and plain decoding last ran at the bucket `StepCosts.stale` steps ago, plain decoding runs
+        `min_samples` steps, whatever the budget too (they count in it)."""
         choice, left, more = self.runs.pop(bucket, (None, 0, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1, more)
