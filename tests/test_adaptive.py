@@ -187,6 +187,26 @@ def test_acceptance_restarts_on_a_shift_and_not_on_noise():
     assert acceptance.positions[1].weight == 0 and acceptance.positions[1].mean == held == pytest.approx(0.48, abs=0.1)
 
 
+def test_a_fall_too_small_for_one_window_restarts_on_two():
+    """The first draft accepted 14 of 16 times for 3,200 requests, then 7 of 16: one window of 16
+    requests lies 3.3 standard errors from the means, under 4, and no restart follows it; the
+    first two windows together lie 4.4 away, and the means restart from their 32 requests. Judged
+    one window at a time, as before, 4 such windows in a row restarted nothing."""
+    acceptance = Acceptance()
+    for _ in range(200):
+        for accepted in ([1] * 6 + [0, 1], [1] * 7 + [0]):
+            acceptance.tick(True)
+            acceptance.add_verify(1, accepted)
+    shifts = []
+    for _ in range(2):
+        for accepted in ([1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]):
+            acceptance.tick(True)
+            acceptance.add_verify(1, accepted)
+        shifts.append(acceptance.shifts)
+    assert shifts == [0, 1]
+    assert acceptance.positions[0].mean == pytest.approx(7 / 16) and acceptance.positions[0].weight == 32
+
+
 def test_speculates_at_low_load_after_a_high_load_where_it_lost():
     """A draft measured only at batch 16, where every length loses, is predicted at batch 1-8
     from how plain decoding's steps shrink there (its verify part), not flat from batch 16: once

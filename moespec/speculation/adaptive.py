@@ -165,6 +165,7 @@ class Mean:
 
 
 def merged(means: list[Mean]) -> Mean:
+    """One new mean over all the samples of `means`."""
     total = Mean()
     for mean in means:
         if mean.weight:
@@ -237,9 +238,9 @@ class Acceptance:
                 return
 
     def restart(self, counts: list[Mean]) -> None:
+        """The means from `counts` (merged afresh, so kept as they are), the shift counted."""
         self.shifts += 1
-        self.positions = [Mean(c.mean, c.square, c.weight) if c.weight else Mean(mean.mean, mean.square, 0.0)
-                          for mean, c in zip(self.positions, counts)]
+        self.positions = [c if c.weight else Mean(mean.mean, mean.square, 0.0) for mean, c in zip(self.positions, counts)]
         for mean in self.steps.values():  # each choice's tokens per step, from before the shift
             mean.weight = 0.0
         self.windows = []

@@ -84,12 +84,12 @@ class StepCosts:
         cold = shape not in self.shapes
         self.shapes.add(shape)
         x = features(choice, batch_size, cold)
-        buckets, tick = self.samples.setdefault(key, {}), self.ticks.get(bucket, 0) + 1
-        if bucket not in buckets or (key == "plain" and tick - 1 - buckets[bucket].at >= self.stale):
+        buckets = self.samples.setdefault(key, {})
+        if bucket not in buckets or (key == "plain" and self.age(choice, batch_size) >= self.stale):
             buckets[bucket] = Samples(self.window, len(x))
             self.fits = {where: fit for where, fit in self.fits.items() if where[0] != key}
-        buckets[bucket].add(x, seconds, tick)
-        self.ticks[bucket] = tick
+        self.ticks[bucket] = self.ticks.get(bucket, 0) + 1
+        buckets[bucket].add(x, seconds, self.ticks[bucket])
         self.added[key] = self.added.get(key, 0) + 1
 
     def count(self, choice: Choice) -> int:
