@@ -41,11 +41,16 @@ Each prediction has a standard error (the fit's, and the acceptance counts'). A 
 than the leader runs, `explore_steps` steps in a row, only where the run is expected to save
 more than it costs (`worth`: what the choice may gain over the leader within its error, for the
 steps one measurement informs, against the run's steps and catch-up), and only while exploration
-stays within `explore_share` (2%) of the bucket's steps and of its time, so at a batch size
-where plain decoding is predicted to win, speculating to find out costs at most that (a run
-starts only while the budget holds; a bucket's first run may overdraw it once, and a run that
-ends with its draft predicted faster goes on for `EXTEND_RUNS` runs at most: at batch 4 one
-run's 12 requests seldom show a rise in acceptance surely). A switch from
+stays within `explore_share` (2%) of the bucket's steps and what it loses within `explore_loss`
+(1%) of the bucket's time, so at a batch size where plain decoding is predicted to win,
+speculating to find out costs at most that. A step's loss is its time beyond the leader's,
+predicted, for the tokens it kept (`loss`): a draft's step that keeps 1.2 tokens per request at
+1.6 plain steps' time loses a quarter of it, not all (counting all of it, runs at SmolLM2's
+batch 4 waited for the time share, not the step share, and a rise in acceptance went unmeasured
+for hundreds of steps). A run starts only while the budget holds; a bucket's first run may
+overdraw it once, and a run that ends with its draft predicted `margin` faster goes on for
+`EXTEND_RUNS` runs at most: at batch 4 one run's 12 requests seldom show a rise in acceptance
+surely. A switch from
 plain decoding starts with a catch-up step: the draft runs over every position it skipped, at
 batch 64 several plain steps' worth. It measures switching, not the choice, so only its time
 counts, and its time beyond a steady step's, per position caught up (and `SWITCH_PRIOR` more
@@ -102,7 +107,7 @@ from moespec.speculation.tree import TreeShape
 
 SWITCH_PRIOR = 256  # positions caught up at no cost that a switch's price starts from (one request's hold)
 SHIFT_WINDOWS = 4  # windows of requests that the counts compared with the means span at most
-EXTEND_RUNS = 2  # runs that may follow a run whose draft ends predicted faster, whatever the budget
+EXTEND_RUNS = 2  # runs that may follow a run whose draft ends predicted `margin` faster, whatever the budget
 
 
 @dataclass
@@ -186,8 +191,11 @@ class Acceptance:
     per chain length where positions are not counted), its mean. Every speculative step multiplies
     the weight of what was counted by `decay`, so the means follow a shift within tens of steps;
     every plain step by `idle_decay`, closer to 1: while nothing is measured the errors grow
-    slowly, so where plain decoding wins speculation is measured again every few hundred steps,
-    not every few tens. A shift shows sooner: every `shift_window` requests verified, the
+    slowly, so where plain decoding wins speculation is measured again every hundred steps or so
+    (as the budget allows), not every few tens. The counts from before a rise in acceptance lose
+    half their weight in 69 plain steps (139 with 0.995, which in the simulated model had a draft
+    lead again 139 steps after a rise in the median, 639 at most; now 97 and 377: the counts
+    held were too sure for a run to be worth it). A shift shows sooner: every `shift_window` requests verified, the
     positions' counts of the last 1 to `SHIFT_WINDOWS` windows are compared with the means, and
     where one differs by more than `shift_sigmas` standard errors (the workload changed, say from
     code to chat) the means restart from those counts (`follow_shift`): in the simulated model
@@ -197,7 +205,7 @@ class Acceptance:
     averaged with them. A run of 3 steps at batch 4 verifies 12 requests: too few to tell 0.56
     from 0.17 at 4 standard errors."""
 
-    def __init__(self, decay: float = 0.98, idle_decay: float = 0.995, shift_sigmas: float = 4.0,
+    def __init__(self, decay: float = 0.98, idle_decay: float = 0.99, shift_sigmas: float = 4.0,
                  shift_window: int = 16) -> None:
         self.decay, self.idle_decay = decay, idle_decay
         self.shift_sigmas, self.shift_window = shift_sigmas, shift_window
@@ -282,14 +290,14 @@ class SpeculationPolicy:
                  explore_share: float = 0.02, explore_steps: int = 3, min_samples: int = 2,
                  margin: float = 0.05, trees: tuple[TreeShape, ...] = (), accept_decay: float = 0.98,
                  sureness: float = 1.0, decide_every: int = 8, keep_margin: float = 0.025,
-                 shift_sigmas: float = 4.0) -> None:
+                 shift_sigmas: float = 4.0, explore_loss: float = 0.01) -> None:
         self.max_tokens = max_tokens
         self.trees = tuple(trees)
         self.schedule = sorted((int(b), int(k)) for b, k in (schedule or {}).items())
         self.adaptive = adaptive
         self.explore_share, self.explore_steps, self.min_samples = explore_share, explore_steps, min_samples
         self.margin, self.sureness, self.decide_every = margin, sureness, decide_every
-        self.keep_margin = keep_margin
+        self.keep_margin, self.explore_loss = keep_margin, explore_loss
         self.costs = StepCosts()
         self.acceptance = Acceptance(accept_decay, shift_sigmas=shift_sigmas)
         self.measures: dict[tuple[int, Choice], Measure] = {}  # (bucket, choice) -> measured, for /metrics
@@ -303,6 +311,7 @@ class SpeculationPolicy:
         self.held: dict[int, int] = {}  # bucket -> steps its leader still runs without a decision
         self.seconds: dict[int, float] = {}  # bucket -> wall time of its steps
         self.explored_seconds: dict[int, float] = {}  # bucket -> ... of them running a choice not the leader
+        self.explored_cost: dict[int, float] = {}  # bucket -> ... of those seconds lost against the leader (`loss`)
         self.switches = [0.0, 0.0]  # catch-up seconds beyond steady steps, positions caught up (decaying sums)
 
     def table_k(self, batch_size: int) -> int:
@@ -371,12 +380,13 @@ class SpeculationPolicy:
             priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, priced)
         # a draft to measure whatever the budget: at a bucket with no run yet, one that would lead
-        # were predictions exact; where a run ends that may go on, one predicted faster at all
+        # were predictions exact; where a run ends that may go on, one predicted `margin` faster
         unsure, (_, left, more) = None, self.runs.get(bucket, (0, 1, 0))
         if leader == 0 and not self.explored.get(bucket):
             unsure = self.lead(bucket, priced, sure=False) or None
         elif leader == 0 and left == 0 and more:
-            unsure = max(priced, key=lambda c: priced[c].rate) or None
+            fastest = max(priced, key=lambda c: priced[c].rate)
+            unsure = fastest if priced[fastest].rate > (1 + self.margin) * priced[0].rate else None
         probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0, unsure)
         if probe is not None:
             return self.explore(bucket, probe)
@@ -436,17 +446,19 @@ class SpeculationPolicy:
         """The choice to measure this step: the next step of a run under way (unless its choice
         leads now), or the first of a new run: the choice whose run is expected to save the most
         (`worth`), where it saves anything, if the run keeps exploration within its share of the
-        bucket's steps and time. The bucket's first run may overdraw the time; later runs start
-        only where their steps and catch-up (`switch_s`), predicted, fit too: at batch 64 one
-        catch-up on every request's history took 0.86 s, a tenth of a repeat. `predictions`:
-        per step, not priced against the tokens left. `unsure`: a draft predicted to lead, too
-        loosely to (`lead`), at a bucket with no run yet, or predicted faster at all where a run
-        ends: its run starts whatever the budget (after a run, `EXTEND_RUNS` times at most, so a
-        run goes on while its draft looks faster). At batch 4 a run of 3 steps verifies 12
+        bucket's steps and its loss within `explore_loss` of the bucket's time. The bucket's first
+        run may overdraw the loss; later runs start only where their predicted loss, catch-up
+        (`switch_s`) included, fits too: at batch 64 one catch-up on every request's history took
+        0.86 s, a tenth of a repeat. `predictions`: per step, not priced against the tokens left.
+        `unsure`: a draft predicted to lead, too loosely to (`lead`), at a bucket with no run yet,
+        or predicted `margin` faster where a run ends: its run starts whatever the budget (after a
+        run, `EXTEND_RUNS` times at most, so a run goes on while its draft looks faster; one that
+        went on at a tie, k=1 against plain decoding on SmolLM2's random ids, spent the step share
+        that a rise then waited on for 400 steps). At batch 4 a run of 3 steps verifies 12
         requests, seldom enough to show surely a rise in acceptance while plain decoding ran, and
-        the next run waits on the budget (a few hundred steps). In the simulated model's rise
-        (`test_adaptive.py`, 40 seeds) a draft leads again after 139 steps in the median, 639 at
-        most; without the runs that go on, 151 and 882 (docs/benchmarks.md). Where a draft leads
+        the next run waits on the budget (about 150 steps). In the simulated model's rise
+        (`test_adaptive.py`, 40 seeds) a draft leads again after 97 steps in the median, 377 at
+        most (docs/benchmarks.md). Where a draft leads
         and plain decoding last ran at the bucket `StepCosts.stale` steps ago, plain decoding runs
         `min_samples` steps, whatever the budget too (they count in it)."""
         choice, left, more = self.runs.pop(bucket, (None, 0, 0))
@@ -460,14 +472,14 @@ class SpeculationPolicy:
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
-        explored_s, budget_s = self.explored_seconds.get(bucket, 0.0), self.explore_share * self.seconds.get(bucket, 0.0)
+        explored_s, budget_s = self.explored_cost.get(bucket, 0.0), self.explore_loss * self.seconds.get(bucket, 0.0)
         if explored_s > budget_s:
             return None
         worth = {c: self.worth(predictions[leader], p, switch_s) for c, p in predictions.items() if c != leader}
         choice = max(worth, key=worth.get, default=None)
         if choice is None or worth[choice] <= 0:
             return None
-        if explored_s and explored_s + self.explore_steps * predictions[choice].seconds + switch_s > budget_s:
+        if explored_s and explored_s + self.run_cost(predictions[leader], predictions[choice], switch_s) > budget_s:
             return None  # the run's steps and its catch-up, predicted, would overdraw the time
         return self.start_run(bucket, choice, EXTEND_RUNS)
 
@@ -479,29 +491,44 @@ class SpeculationPolicy:
         """Seconds a run measuring `other` is expected to save, less what it costs. It may find
         `other` faster than the leader (its `expected_gain`, from the error of its prediction),
         which would then run for as long as one measurement informs the choice: the steps over
-        which plain decoding's decay takes the acceptance counts' weight to 1/e (200). It costs
+        which plain decoding's decay takes the acceptance counts' weight to 1/e (100). It costs
         its steps' time beyond the leader's for their tokens, and a draft's catch-up after plain
         decoding (`switch_s`). SmolLM2 at batch 24, T = 0.7: k = 1 predicted at 143 tok/s +- 33%
         against plain decoding's 237, 2 standard errors up reach the leader, but a run is
-        expected to gain 0.04 s and costs 0.29 s (3 steps, a catch-up of 0.07 s): not run."""
+        expected to gain 0.02 s and costs 0.29 s (3 steps, a catch-up of 0.07 s): not run."""
         horizon = leader.seconds / (1 - self.acceptance.idle_decay)
         gain = horizon * other.expected_gain(leader.rate) / leader.rate
-        cost = self.explore_steps * other.seconds * max(0.0, 1 - other.rate / leader.rate) + switch_s
-        return gain - cost
+        return gain - self.run_cost(leader, other, switch_s)
+
+    def run_cost(self, leader: Prediction, other: Prediction, switch_s: float) -> float:
+        """Seconds a run of `other` is predicted to lose against the leader: its steps' time beyond
+        the leader's for their tokens, and its catch-up."""
+        return self.explore_steps * other.seconds * max(0.0, 1 - other.rate / leader.rate) + switch_s
+
+    def loss(self, batch_size: int, leader: Choice, tokens_per_request: float, seconds: float) -> float:
+        """Seconds a step lost against the leader: its time less the leader's, predicted, for the
+        tokens it kept (none where it kept more)."""
+        leader_s, _ = self.costs.predict(batch_size, leader, peek=True)
+        leader_tokens, _ = self.acceptance.tokens(leader) or (1.0, 0.0)
+        return max(0.0, seconds - tokens_per_request * leader_s / leader_tokens)
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
                measures: bool = True, caught_up: int = 0) -> None:
         """A step that ran choice k and kept `tokens_per_request` (drafts past a request's end are
-        not kept): its time counts for the bucket's exploration budget (as exploration where k
-        is not the bucket's leader); where it `measures` k, it feeds the step costs, the
-        acceptance and the measured rates too; where it first `caught_up` the draft on that many
-        positions after plain steps, its time beyond a steady step's prices a switch."""
+        not kept): its time counts for the bucket's exploration budget, and where k is not the
+        bucket's leader, what it lost against the leader (`loss`); where it `measures` k, it
+        feeds the step costs, the acceptance and the measured rates too; where it first
+        `caught_up` the draft on that many positions after plain steps, its time beyond a steady
+        step's prices a switch."""
         if not self.adaptive:
             return
         bucket = self.bucket(batch_size)
         self.seconds[bucket] = self.seconds.get(bucket, 0.0) + seconds
-        if self.leaders.get(bucket, k) != k:
+        leader = self.leaders.get(bucket, k)
+        if leader != k:
             self.explored_seconds[bucket] = self.explored_seconds.get(bucket, 0.0) + seconds
+            loss = self.loss(batch_size, leader, tokens_per_request, seconds)
+            self.explored_cost[bucket] = self.explored_cost.get(bucket, 0.0) + loss
         if caught_up and self.costs.count(k):
             steady, _ = self.costs.predict(batch_size, k, peek=True)
             self.switches = [0.8 * self.switches[0] + seconds - steady, 0.8 * self.switches[1] + caught_up]
@@ -525,6 +552,7 @@ class SpeculationPolicy:
         return {bucket: {"choice": self.leaders.get(bucket, 0), "steps": self.steps.get(bucket, 0),
                          "explored": self.explored.get(bucket, 0), "seconds": self.seconds.get(bucket, 0.0),
                          "explored_seconds": self.explored_seconds.get(bucket, 0.0),
+                         "explored_cost": self.explored_cost.get(bucket, 0.0),
                          "predicted": dict(self.predicted.get(bucket, {})),
                          "predicted_batch": self.predicted_batch.get(bucket, 0),
                          "measured": {c: m.rate for (b, c), m in self.measures.items() if b == bucket}}
