@@ -127,6 +127,7 @@ def test_exploration_time_with_its_catch_up_steps_stays_within_its_share():
     assert sim.lost(64) <= 0.01 * sim.spent + one_run, (sim.lost(64), sim.spent)
     assert 0 < lost < policy.explored_seconds[64]
     assert policy.report()[64]["explored_cost"] == lost
+    assert SpeculationPolicy(3).loss(64, 0, 1.0, 0.05) == 0.05  # no step cost for the leader yet: all of it
 
 
 def test_a_decision_that_runs_the_leader_holds_for_the_next_steps():

@@ -195,10 +195,11 @@ class Acceptance:
     (as the budget allows), not every few tens. The counts from before a rise in acceptance lose
     half their weight in 69 plain steps (139 with 0.995, which in the simulated model had a draft
     lead again 139 steps after a rise in the median, 639 at most; now 97 and 377: the counts
-    held were too sure for a run to be worth it). A shift shows sooner: every `shift_window` requests verified, the
-    positions' counts of the last 1 to `SHIFT_WINDOWS` windows are compared with the means, and
-    where one differs by more than `shift_sigmas` standard errors (the workload changed, say from
-    code to chat) the means restart from those counts (`follow_shift`): in the simulated model
+    held were too sure for a run to be worth it). A shift shows sooner: every `shift_window`
+    requests verified, the positions' counts of the last 1 to `SHIFT_WINDOWS` windows are
+    compared with the means, and where one differs by more than `shift_sigmas` standard errors
+    (the workload changed, say from code to chat) the means restart from those counts
+    (`follow_shift`): in the simulated model
     (40 seeds) a fall is followed in 11 steps in the median, 19 at most (decay alone: 20-36
     steps; one window at a time, with the errors of `Mean.error` before: up to 53), and a rise
     that a run's steps show surely replaces the low counts still held rather than being
@@ -458,9 +459,9 @@ class SpeculationPolicy:
         requests, seldom enough to show surely a rise in acceptance while plain decoding ran, and
         the next run waits on the budget (about 150 steps). In the simulated model's rise
         (`test_adaptive.py`, 40 seeds) a draft leads again after 97 steps in the median, 377 at
-        most (docs/benchmarks.md). Where a draft leads
-        and plain decoding last ran at the bucket `StepCosts.stale` steps ago, plain decoding runs
-        `min_samples` steps, whatever the budget too (they count in it)."""
+        most (docs/benchmarks.md). Where a draft leads and plain decoding last ran at the bucket
+        `StepCosts.stale` steps ago, plain decoding runs `min_samples` steps, whatever the budget
+        too (they count in it)."""
         choice, left, more = self.runs.pop(bucket, (None, 0, 0))
         if left > 0 and choice != leader and choice in predictions:
             self.runs[bucket] = (choice, left - 1, more)
@@ -507,10 +508,12 @@ class SpeculationPolicy:
 
     def loss(self, batch_size: int, leader: Choice, tokens_per_request: float, seconds: float) -> float:
         """Seconds a step lost against the leader: its time less the leader's, predicted, for the
-        tokens it kept (none where it kept more)."""
-        leader_s, _ = self.costs.predict(batch_size, leader, peek=True)
+        tokens it kept (none where it kept more; all of it before the leader has a step cost)."""
+        predicted = self.costs.predict(batch_size, leader, peek=True)
+        if predicted is None:
+            return seconds
         leader_tokens, _ = self.acceptance.tokens(leader) or (1.0, 0.0)
-        return max(0.0, seconds - tokens_per_request * leader_s / leader_tokens)
+        return max(0.0, seconds - tokens_per_request * predicted[0] / leader_tokens)
 
     def record(self, batch_size: int, k: Choice, tokens_per_request: float, seconds: float,
                measures: bool = True, caught_up: int = 0) -> None:
