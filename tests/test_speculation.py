@@ -310,6 +310,42 @@ def test_catch_ups_after_plain_steps_do_not_feed_the_policy(deepseek_mtp, llama_
     assert sum(1 for e in events if e == ("record", 0)) >= 2  # plain steps are measured too
 
 
+@pytest.mark.parametrize("mode", ["mtp", "draft"])
+def test_drafts_after_a_catch_up_equal_drafts_that_never_stopped(deepseek_mtp, llama_pair, mode):
+    """A draft that caught up on a prompt and 12 plain decode steps at once proposes, at each
+    position, what a draft that ran from the first decode step proposed there: the catch-up is
+    exact, so acceptance measured by a run after plain decoding is the draft's own."""
+    path = deepseek_mtp if mode == "mtp" else llama_pair[0]
+    spec = {"mode": mode, "num_speculative_tokens": 2, "adaptive": True}
+    if mode == "draft":
+        spec["draft_model"] = llama_pair[1]
+
+    def run(plain_steps):
+        llm = LLM(model=path, speculation=spec, page_size=4, num_kv_pages=256)
+        engine, drafts, propose = llm.engine, {}, llm.engine.speculator.propose
+
+        def watch(seqs, k, rows):
+            proposal = propose(seqs, k, rows)
+            for seq, tokens in zip(seqs, proposal.tokens.tolist()):
+                drafts[(tuple(seq.prompt_ids), seq.num_tokens)] = (tokens, proposal.steady)
+            return proposal
+
+        engine.speculator.propose = watch
+        lengths = itertools.chain([0] * plain_steps, itertools.repeat(2))
+        engine.policy.choose = lambda batch_size, rooms=None, behind=0: next(lengths)
+        outputs = llm.generate(prompts([9, 13, 6]), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)
+        return drafts, [o.outputs[0].token_ids for o in outputs]
+
+    (always, out_always), (switched, out_switched) = run(0), run(12)
+    assert out_always == out_switched
+    caught_up = [key for key, (_, steady) in switched.items() if not steady and key[1] - len(key[0]) > 1]  # after decoding
+    assert len(caught_up) == 3 and all(key in always for key in caught_up), caught_up
+    shared = [key for key in switched if key in always]
+    assert len(shared) > 30
+    assert all(switched[key][0] == always[key][0] for key in shared)
+
+
 def test_policy_measure_averages_the_first_samples():
     """One costly first step weighs like any other of the first few samples, then the average
     turns exponential."""
