@@ -493,6 +493,25 @@ def test_plain_decoding_is_measured_at_every_bucket_it_meets():
     assert policy.costs.count_at(0, 4) >= 2 and policy.leaders[4] != 0  # then speculation, which wins there
 
 
+@pytest.mark.parametrize("ratio, goes_on", [(1.02, False), (1.10, True)])
+def test_a_run_goes_on_only_where_its_draft_is_predicted_the_margin_faster(ratio, goes_on):
+    """A run of k=1 ends with plain decoding still leading (k=1 too loosely known to lead) and
+    the budget spent. Predicted 2% faster, a tie as far as step times tell (SmolLM2's random ids:
+    112 against 113 tok/s), it does not go on: going on at ties spent the step share that a rise
+    in acceptance then waited on for 400 steps. Predicted 10% faster (over the 5% margin), it does."""
+    policy = SpeculationPolicy(1)
+    for choice in (1, 0):
+        for _ in range(2):
+            policy.costs.add(4, choice, 0.04)
+    rates = {0: Prediction(100.0, 0.01, 0.04), 1: Prediction(100.0 * ratio, 0.5, 0.05)}
+    policy.predict = lambda batch_size, choice, rooms=None: rates[choice]
+    policy.steps[4], policy.explored[4] = 100, 6  # no budget left for a run of its own
+    policy.runs[4] = (1, 0, 2)  # a run of k=1 that ended, which may go on twice
+    assert policy.decide(4, 4, 1) == (1 if goes_on else 0)
+    assert policy.leaders[4] == 0
+    assert (policy.runs.get(4, (None,))[0] == 1) == goes_on
+
+
 def test_explores_only_where_a_run_may_find_more_than_it_costs():
     """SmolLM2 at batch 24, T = 0.7, as measured: plain decoding at 237 tok/s, k = 1 at 143 +- 33%
     (2 standard errors up reach the leader). Its run (3 steps losing 40% and a 0.07 s catch-up)

@@ -380,14 +380,11 @@ class SpeculationPolicy:
             left = int(rooms.sum())
             priced = {c: self.priced(p, c, switch_s, left) for c, p in predictions.items()}
         leader = self.leaders[bucket] = self.lead(bucket, priced)
-        # a draft to measure whatever the budget: at a bucket with no run yet, one that would lead
-        # were predictions exact; where a run ends that may go on, one predicted `margin` faster
+        # a draft to measure whatever the budget, at a bucket with no run yet or where a run ends
+        # that may go on: one that would lead were predictions exact (`margin` faster)
         unsure, (_, left, more) = None, self.runs.get(bucket, (0, 1, 0))
-        if leader == 0 and not self.explored.get(bucket):
+        if leader == 0 and (not self.explored.get(bucket) or (left == 0 and more)):
             unsure = self.lead(bucket, priced, sure=False) or None
-        elif leader == 0 and left == 0 and more:
-            fastest = max(priced, key=lambda c: priced[c].rate)
-            unsure = fastest if priced[fastest].rate > (1 + self.margin) * priced[0].rate else None
         probe = self.probe(bucket, leader, predictions, switch_s if leader == 0 else 0.0, unsure)
         if probe is not None:
             return self.explore(bucket, probe)
@@ -473,15 +470,15 @@ class SpeculationPolicy:
         budget = self.explore_share * self.steps[bucket]
         if self.explored.get(bucket, 0) + self.explore_steps > budget:
             return None
-        explored_s, budget_s = self.explored_cost.get(bucket, 0.0), self.explore_loss * self.seconds.get(bucket, 0.0)
-        if explored_s > budget_s:
+        lost, budget_s = self.explored_cost.get(bucket, 0.0), self.explore_loss * self.seconds.get(bucket, 0.0)
+        if lost > budget_s:
             return None
         worth = {c: self.worth(predictions[leader], p, switch_s) for c, p in predictions.items() if c != leader}
         choice = max(worth, key=worth.get, default=None)
         if choice is None or worth[choice] <= 0:
             return None
-        if explored_s and explored_s + self.run_cost(predictions[leader], predictions[choice], switch_s) > budget_s:
-            return None  # the run's steps and its catch-up, predicted, would overdraw the time
+        if lost and lost + self.run_cost(predictions[leader], predictions[choice], switch_s) > budget_s:
+            return None  # the run's steps and its catch-up, predicted, would overdraw the loss budget
         return self.start_run(bucket, choice, EXTEND_RUNS)
 
     def start_run(self, bucket: int, choice: Choice, more: int, steps: int = 0) -> Choice:
