@@ -76,6 +76,11 @@ class SpeculationSection:
     # adaptive: standard errors by which the acceptance of the last verify steps must differ from
     # its running mean for the mean to restart from them (a shift in workload); 0: never
     adaptive_shift_sigmas: float = 4.0
+    # adaptive: exploration's budget per batch-size bucket: the share of its steps that may run a
+    # choice other than the leader, and the share of its time they may lose against the leader.
+    # Less: nearer plain decoding's speed where every draft loses, slower to see acceptance rise
+    adaptive_explore_share: float = 0.02
+    adaptive_explore_loss: float = 0.01
     # mode mtp: target hidden states a request may hold before the MTP layer runs over them. While
     # steps do not speculate (a prompt, plain decoding) the layer's work waits until a draft is
     # needed, so a request that finishes first never pays for it; at most 1 + k where the layer's
@@ -223,6 +228,10 @@ class EngineConfig:
         if not self.speculation.adaptive_keep_margin >= 0:
             raise ConfigError("speculation.adaptive_keep_margin must be >= 0, got "
                               f"{self.speculation.adaptive_keep_margin!r}")
+        for name in ("adaptive_explore_share", "adaptive_explore_loss"):
+            value = getattr(self.speculation, name)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"speculation.{name} must be between 0 and 1, got {value!r}")
         if not self.speculation.adaptive_shift_sigmas >= 0:
             raise ConfigError("speculation.adaptive_shift_sigmas must be >= 0, got "
                               f"{self.speculation.adaptive_shift_sigmas!r}")

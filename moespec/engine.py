@@ -86,7 +86,8 @@ def policy_for(spec: SpeculationSection, trees: tuple) -> SpeculationPolicy:
     """The speculation section's policy (speculation.adaptive, .schedule, .adaptive_margin, ...)."""
     return SpeculationPolicy(spec.num_speculative_tokens, spec.schedule, spec.adaptive, margin=spec.adaptive_margin,
                              trees=trees, sureness=spec.adaptive_sureness, decide_every=spec.adaptive_decide_every,
-                             keep_margin=spec.adaptive_keep_margin, shift_sigmas=spec.adaptive_shift_sigmas)
+                             keep_margin=spec.adaptive_keep_margin, shift_sigmas=spec.adaptive_shift_sigmas,
+                             explore_share=spec.adaptive_explore_share, explore_loss=spec.adaptive_explore_loss)
 
 
 def rooms_left(chunks: list, lengths: list[int], max_model_len: int) -> list[int]:
