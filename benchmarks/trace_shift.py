@@ -12,6 +12,7 @@ exploration (steps of steps, loss of seconds) and the measured rates. Takes benc
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import sys
@@ -51,14 +52,11 @@ def trace_decisions(at_bucket: int) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    bucket = 4
-    if "--trace-bucket" in argv:
-        i = argv.index("--trace-bucket")
-        bucket = int(argv[i + 1])
-        del argv[i:i + 2]
-    trace_decisions(bucket)
-    sys.argv = ["bench_shift", *argv]
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--trace-bucket", type=int, default=4)
+    args, rest = parser.parse_known_args()
+    trace_decisions(args.trace_bucket)
+    sys.argv = ["bench_shift", *rest]
     bench_shift.main()
 
 

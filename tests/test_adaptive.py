@@ -156,9 +156,9 @@ def test_follows_a_shift_in_acceptance():
     """Batch 4, 8 seeds: speculation while acceptance is high, plain decoding soon after it falls
     (11-19 steps: the verify steps' counts lie 4 standard errors from the means, which restart
     from them; 20-36 in every seed when the means only decay), speculation again after it rises,
-    found by exploration while plain decoding runs (within its share): 19-342 steps, 123-131 in
-    the median (292 where runs did not go on and the counts' errors stayed bounded as their
-    weight decayed to nothing). A first catch-up over a few positions, priced without `SWITCH_PRIOR`, kept 3 of
+    found by exploration while plain decoding runs (within its share): 46-230 steps, 94 in the
+    median (292 where runs did not go on and the counts' errors stayed bounded as their weight
+    decayed to nothing). A first catch-up over a few positions, priced without `SWITCH_PRIOR`, kept 3 of
     8 seeds from returning within 1000 steps: its noise, taken as the price of a switch over
     hundreds of positions, outweighed what a run could find.
     At batch 8, where the best length gains 7% (near the 5% margin), whether a seed returns
