@@ -95,7 +95,7 @@ def blockwise_scaled_mm_supported(device_index: int) -> bool:
 
 def cublaslt_version() -> int:
     """The loaded cuBLASLt's version (e.g. 120903 for 12.9.3; 0 when it cannot be read)."""
-    for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+    for name in cublaslt_names(torch.version.cuda):
         try:
             lib = ctypes.CDLL(name)
         except OSError:
@@ -103,6 +103,15 @@ def cublaslt_version() -> int:
         lib.cublasLtGetVersion.restype = ctypes.c_size_t
         return int(lib.cublasLtGetVersion())
     return 0
+
+
+def cublaslt_names(cuda: str | None) -> list[str]:
+    """The cuBLASLt sonames to read, the one of torch's own CUDA major first (a host may also hold
+    another CUDA's, which torch does not load)."""
+    majors = ["13", "12"]
+    if cuda:
+        majors.sort(key=lambda major: major != cuda.split(".")[0])
+    return [f"libcublasLt.so.{major}" for major in majors] + ["libcublasLt.so"]
 
 
 def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -199,6 +208,16 @@ def grouped_rows_linear(x: torch.Tensor, ends: torch.Tensor, weight: torch.Tenso
     return out
 
 
+def grouped_mm_reads_no_host(x: torch.Tensor) -> bool:
+    """Whether torch's grouped_mm runs over x's rows without reading its group ends on the host:
+    on the CPU; on CUDA for bfloat16 on SM90 and SM100 alone, where GroupedBlas.cpp has its device
+    kernel (elsewhere its fallback copies the ends to the host and loops over the groups, which no
+    captured step can hold); `meta` stands for such a GPU."""
+    if x.device.type == "cpu":
+        return True
+    return x.dtype == torch.bfloat16 and cuda_major(x.device) in (None, 9, 10)
+
+
 def dequantize_rows(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(e4m3 [..., N, M], float32 scales [..., N, M/128]) -> [..., N, M] in dtype."""
     *lead, N, M = values.shape
@@ -213,36 +232,52 @@ def deep_gemm_masked(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], counts
     [E, C, K/128]) pair, taken as it arrived (DeepEP's FP8 low-latency dispatch hands over the
     layout DeepGEMM reads) @ dequantized(weight [E, N, K])ᵀ -> [E, C, N] bf16 by DeepGEMM's masked
     grouped FP8 GEMM, which reads the counts on the device and skips the other rows (their outputs
-    are undefined); None when DeepGEMM is not installed or the call is not one it takes. Untested
-    on GPU."""
-    deep_gemm = import_deep_gemm()
+    are undefined); None where it does not run (`deep_gemm_takes`). Untested on GPU."""
+    gemm = masked_fp8_gemm()
     values = x[0] if isinstance(x, tuple) else x
-    E, C, K = values.shape
-    if deep_gemm is None or not takes_deep_gemm(values) or K % BLOCK:
+    if gemm is None or not deep_gemm_takes(values, weight) or not (isinstance(x, tuple) or x.dtype == torch.bfloat16):
         return None
+    E, C, K = values.shape
     if isinstance(x, tuple):
         lhs = x
-    elif x.dtype == torch.bfloat16:
+    else:
         x_fp8, x_scales = quantize_per_token_group(x.reshape(E * C, K))
         lhs = (x_fp8.view(E, C, K), x_scales.view(E, C, K // BLOCK))
-    else:
-        return None
-    gemm = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_masked", None) or deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked
     out = values.new_empty(E, C, weight.shape[1], dtype=torch.bfloat16)
     gemm(lhs, (weight, scale_inv.float()), out, counts.to(torch.int32), C)
     return out
 
 
-def takes_deep_gemm(x: torch.Tensor) -> bool:
-    """Whether DeepGEMM's kernels can read x: CUDA tensors only."""
-    return x.is_cuda
+DEEP_GEMM_BLOCK_M = 128  # the largest row tile of DeepGEMM's SM90 masked kernels (64 or 128)
+
+
+def deep_gemm_takes(values: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether DeepGEMM's masked GEMM takes rows values [E, C, K] @ weight [E, N, K]ᵀ:
+    - on an SM90 GPU: its float32 scales are SM90's recipe; SM100 reads UE8M0 (power-of-two)
+      scales, which DeepSeek's weights and DeepEP's default FP8 cast are not, and other
+      architectures have no FP8 recipe at all (DeepGEMM raises "Unknown recipe");
+    - C a multiple of its 128-row tile: it stores whole tiles through one map over every
+      expert's rows, so a partial last tile would write the next expert's first rows (its
+      older API asserted `m % block_m == 0`); EPRuntime rounds DeepEP's capacity so that G*C is;
+    - K and N whole 128-blocks."""
+    E, C, K = values.shape
+    return (cuda_major(values.device) == 9 and C % DEEP_GEMM_BLOCK_M == 0 and K % BLOCK == 0
+            and weight.shape[1] % BLOCK == 0)
+
+
+def cuda_major(device: torch.device) -> int | None:
+    """The compute capability's major of a CUDA device (9: Hopper), None off CUDA."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
 
 
 @functools.cache
-def import_deep_gemm():
-    """DeepGEMM (built from source, github deepseek-ai/DeepGEMM), or None where it is absent."""
+def masked_fp8_gemm():
+    """DeepGEMM's masked grouped FP8 GEMM (built from source, github deepseek-ai/DeepGEMM; named
+    `m_grouped_gemm_fp8_fp8_bf16_nt_masked` before 2.0), or None where DeepGEMM is absent, cannot
+    start (its import asserts a CUDA home and initializes its runtime) or lacks FP8 kernels."""
     try:
         import deep_gemm
-    except ImportError:
+    except Exception:
         return None
-    return deep_gemm
+    return (getattr(deep_gemm, "m_grouped_fp8_gemm_nt_masked", None)
+            or getattr(deep_gemm, "m_grouped_gemm_fp8_fp8_bf16_nt_masked", None))

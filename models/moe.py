@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moespec.models.fp8 import (BLOCK, batched_fp8_linear, deep_gemm_masked, dequantize_rows, fp8_linear,
-                                grouped_rows_linear, scale_shape)
+                                grouped_mm_reads_no_host, grouped_rows_linear, scale_shape)
 from moespec.models.layers import PackedWeight, fixed_shapes, linear, packable
 from moespec.models.weights import WeightError
 
@@ -190,10 +190,11 @@ class LocalExperts(nn.Module):
         (CUDA), which takes an FP8 pair as it arrived; eager on the CPU, where reading the counts
         waits for no device, each expert over its valid rows alone (`forward_counted_rows`); else
         the rows (dequantized) gathered valid ones first and one grouped GEMM per projection
-        (`forward_valid_rows`, no host read: captured and compiled steps; on CUDA in bf16 only,
-        grouped_mm's kernel there)."""
-        if counts is not None and self.w13_scale_inv is not None:
-            out = self.forward_deep_gemm(x, counts)
+        (`forward_valid_rows`, no host read: captured and compiled steps; on CUDA where grouped_mm
+        has its device kernel, `grouped_mm_reads_no_host`); else every row. DeepGEMM's output is
+        bf16: it runs only where that is the dtype asked for."""
+        if counts is not None and self.w13_scale_inv is not None and dtype in (None, torch.bfloat16):
+            out = self.forward_deep_gemm(x, counts)  # bf16 out
             if out is not None:
                 return out
         if isinstance(x, tuple):
@@ -202,7 +203,7 @@ class LocalExperts(nn.Module):
             return self.forward_every_row(x)
         if x.device.type == "cpu" and not fixed_shapes():
             return self.forward_counted_rows(x, counts)
-        if x.device.type == "cpu" or x.dtype == torch.bfloat16:
+        if grouped_mm_reads_no_host(x):
             return self.forward_valid_rows(x, counts)
         return self.forward_every_row(x)
 

@@ -265,51 +265,107 @@ def test_masked_experts_compute_only_the_valid_rows_and_replay_with_other_counts
     assert expected[0].abs().sum() > 0 and not expected[2].any()
 
 
-def test_an_fp8_dispatch_goes_into_the_masked_fp8_gemm_as_it_arrived(monkeypatch):
-    """DeepEP's FP8 low-latency dispatch hands the experts (e4m3 rows, per-128 scales): with FP8
-    weights, DeepGEMM's masked grouped GEMM takes that pair itself (its very storage, never
-    dequantized and quantized again); the second projection's activations are quantized here.
-    DeepGEMM is stood in for by a function with its signature (its kernels need CUDA) that
-    computes the dequantized products of the valid rows; without it the pair is dequantized,
-    and both give the same rows."""
-    from moespec.models import fp8
+def fp8_experts(L: int, M: int, I: int):
+    """LocalExperts with random e4m3 weights and their block scales."""
     from moespec.models.moe import LocalExperts
-    from moespec.parallel.exchange import quantize_per_block
-    torch.manual_seed(0)
-    L, N, M, I = 3, 8, 256, 128
     experts = LocalExperts(L, M, I)
     pairs = {name: [quantize_fp8_block(w) for w in getattr(experts, name).data] for name in ("w13", "w2")}
     experts.to_fp8()
     for name, qs in pairs.items():
         getattr(experts, name).data.copy_(torch.stack([q for q, _ in qs]))
         getattr(experts, f"{name}_scale_inv").data.copy_(torch.stack([s for _, s in qs]))
+    return experts
+
+
+def deepep_fp8_rows(L: int, N: int, M: int):
+    """(e4m3 [L, N, M], float32 scales [L, N, M/128]) in the layouts DeepEP's FP8 low-latency
+    dispatch hands over: the scales allocated [L, M/128, N] and transposed (column-major)."""
+    from moespec.parallel.exchange import quantize_per_block
     values, scales = quantize_per_block(torch.randn(L * N, M, dtype=torch.bfloat16))
-    received = (values.view(L, N, M), scales.view(L, N, M // 128))
-    counts = torch.tensor([8, 0, 3])
-    calls = []
+    column_major = torch.empty(L, M // 128, N).transpose(1, 2)
+    column_major.copy_(scales.view(L, N, M // 128))
+    return values.view(L, N, M), column_major
 
-    def masked_gemm(lhs, rhs, out, masked_m, expected_m):
-        calls.append(lhs)
-        (a, a_scales), (b, b_scales) = lhs, rhs
-        assert a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
-        assert masked_m.dtype == torch.int32 and expected_m == N
-        rows = fp8.dequantize_rows(a, a_scales, torch.float32)  # [L, N, K]
-        for e in range(L):
-            weight = dequantize_fp8_block(b[e], b_scales[e], torch.float32)
-            out[e, :masked_m[e]] = (rows[e, :masked_m[e]] @ weight.t()).to(out.dtype)
 
-    monkeypatch.setattr(fp8, "import_deep_gemm", lambda: type("DeepGEMM", (), {
-        "m_grouped_fp8_gemm_nt_masked": staticmethod(masked_gemm)}))
-    monkeypatch.setattr(fp8, "takes_deep_gemm", lambda x: True)
+@pytest.fixture
+def fake_deep_gemm(monkeypatch):
+    """DeepGEMM's masked GEMM stood in for by tests/fake_deep_gemm.py (its contract checked, the
+    product computed on the CPU), on an SM90 GPU as far as the dispatch can tell."""
+    import fake_deep_gemm
+    from moespec.models import fp8
+    fake_deep_gemm.calls.clear()
+    monkeypatch.setattr(fp8, "masked_fp8_gemm", lambda: fake_deep_gemm.m_grouped_fp8_gemm_nt_masked)
+    monkeypatch.setattr(fp8, "cuda_major", lambda device: 9)
+    return fake_deep_gemm
+
+
+def test_an_fp8_dispatch_goes_into_the_masked_fp8_gemm_as_it_arrived(fake_deep_gemm, monkeypatch):
+    """DeepEP's FP8 low-latency dispatch hands the experts (e4m3 rows, per-128 scales in its
+    column-major layout): with FP8 weights, DeepGEMM's masked grouped GEMM takes that pair itself
+    (its very storage, never dequantized and quantized again) and the call keeps DeepGEMM's
+    contract (tests/fake_deep_gemm.py); the second projection's activations are quantized here.
+    Without DeepGEMM the pair is dequantized, and both give the same rows."""
+    from moespec.models import fp8
+    torch.manual_seed(0)
+    L, N, M, I = 3, 128, 256, 128
+    experts = fp8_experts(L, M, I)
+    received = deepep_fp8_rows(L, N, M)
+    counts = torch.tensor([8, 0, 3], dtype=torch.int32)
     got = experts.forward_masked(received, counts, torch.bfloat16)
+    calls = fake_deep_gemm.calls
     assert len(calls) == 2
-    assert calls[0][0].data_ptr() == values.data_ptr() and calls[0][1].data_ptr() == scales.data_ptr()
+    assert calls[0][0].data_ptr() == received[0].data_ptr() and calls[0][1].data_ptr() == received[1].data_ptr()
     assert calls[1][0].shape == (L, N, I)  # the activations, quantized for the down projection
-    monkeypatch.setattr(fp8, "import_deep_gemm", lambda: None)
+    monkeypatch.setattr(fp8, "masked_fp8_gemm", lambda: None)
     expected = experts.forward_masked(received, counts, torch.bfloat16)
     assert len(calls) == 2 and expected.dtype == torch.bfloat16
     for e, count in enumerate(counts.tolist()):
         torch.testing.assert_close(got[e, :count].float(), expected[e, :count].float(), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("major,rows,dtype,runs", [
+    (9, 128, torch.bfloat16, True), (9, 256, None, True),
+    (9, 8, torch.bfloat16, False),  # a partial row tile: it would write into the next expert's rows
+    (9, 192, torch.bfloat16, False),
+    (10, 128, torch.bfloat16, False),  # SM100 reads UE8M0 scales: DeepSeek's float32 ones would be cut
+    (8, 128, torch.bfloat16, False), (12, 128, torch.bfloat16, False), (None, 128, torch.bfloat16, False),
+    (9, 128, torch.float16, False)])  # DeepGEMM writes bf16 only
+def test_deep_gemm_runs_only_calls_it_takes(fake_deep_gemm, monkeypatch, major, rows, dtype, runs):
+    """DeepGEMM's masked GEMM runs on SM90 alone (float32 scales; SM100 reads powers of two, other
+    GPUs have no FP8 recipe), over whole 128-row tiles per expert, for bf16 outputs; any other call
+    takes the dequantizing path, and the valid rows come out the same either way."""
+    from moespec.models import fp8
+    monkeypatch.setattr(fp8, "cuda_major", lambda device: major)
+    torch.manual_seed(1)
+    L, M, I = 2, 256, 128
+    experts = fp8_experts(L, M, I)
+    received = deepep_fp8_rows(L, rows, M)
+    counts = torch.tensor([min(rows, 5), 2], dtype=torch.int32)
+    got = experts.forward_masked(received, counts, dtype)
+    assert len(fake_deep_gemm.calls) == (2 if runs else 0)
+    monkeypatch.setattr(fp8, "masked_fp8_gemm", lambda: None)
+    expected = experts.forward_masked(received, counts, dtype)
+    for e, count in enumerate(counts.tolist()):
+        torch.testing.assert_close(got[e, :count].float(), expected[e, :count].float(), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("major,dtype,device_kernel", [
+    (9, torch.bfloat16, True), (10, torch.bfloat16, True), (8, torch.bfloat16, False), (12, torch.bfloat16, False),
+    (9, torch.float16, False)])
+def test_grouped_mm_only_where_it_reads_no_host(monkeypatch, major, dtype, device_kernel):
+    """torch's grouped_mm has its device kernel for bf16 on SM90 and SM100 alone (GroupedBlas.cpp);
+    elsewhere its fallback copies the group ends to the host and loops, which a captured step
+    cannot hold: there the masked experts take the every-row path instead."""
+    from moespec.models import fp8
+    monkeypatch.setattr(fp8, "cuda_major", lambda device: major)
+    assert fp8.grouped_mm_reads_no_host(torch.empty(2, 3, dtype=dtype, device="meta")) is device_kernel
+
+
+def test_cublaslt_is_read_for_torchs_own_cuda():
+    """A host may hold cuBLASLt 12 and 13; torch loads the one of the CUDA it was built with."""
+    from moespec.models.fp8 import cublaslt_names
+    assert cublaslt_names("12.9")[0] == "libcublasLt.so.12" and cublaslt_names("13.0")[0] == "libcublasLt.so.13"
+    assert cublaslt_names(None)[-1] == "libcublasLt.so"
 
 
 # ---------------------------------------------------------------------- a model kept in FP8
