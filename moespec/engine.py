@@ -198,7 +198,7 @@ class Engine:
         balancer = build_balancer(self.config.parallel.eplb, target_layers + mtp_all, ranks.ctx, self.model.config)
         self.lockstep = Lockstep(ranks, target_layers, mtp_layers, self.runner.dtype, self.config.uses_fixed_exchange,
                                  balancer)
-        ranks.runtime.configure(self.config.parallel, self.config.model.cuda_graph)  # engines built in turn on the same ranks may differ
+        ranks.runtime.configure(self.config, self.model.config, self.runner.dtype)  # engines in turn may differ
         self.runner.sync = self.lockstep
         if self.runner.static is not None:
             self.runner.static.runtime = ranks.runtime

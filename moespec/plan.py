@@ -159,13 +159,30 @@ def deepep_low_latency_bytes(tokens: int, hidden: int, num_experts: int) -> int:
     return -(-total // 128) * 128
 
 
-def deepep_normal_bytes(hidden: int, ep_size: int, top_k: int) -> int:
-    """DeepEP's normal-mode buffers from its size hints with its default configs (10 channels, 288
-    NVLink and 128 RDMA receive tokens per channel): an estimate."""
-    per_token = 2 * hidden + 4 * (hidden // 128) + top_k * 12 + 32
-    nvl = 10 * min(ep_size, 8) * 288 * per_token
-    rdma = 2 * 10 * (ep_size // 8) * 128 * per_token if ep_size > 8 else 0
-    return nvl + rdma
+# DeepEP v1.2.1's default normal-mode configs per EP size (Buffer.get_dispatch_config and
+# get_combine_config): (NVLink receive tokens, RDMA send tokens, RDMA receive tokens) per channel
+DEEPEP_DISPATCH = {2: (256, 6, 128), 4: (256, 6, 128), 8: (256, 6, 128), 16: (288, 20, 128), 24: (288, 32, 128),
+                   32: (288, 32, 128), 64: (288, 28, 128), 128: (560, 32, 128), 144: (720, 12, 128),
+                   160: (720, 12, 128)}
+DEEPEP_COMBINE = {2: (256, 6, 128), 4: (256, 6, 128), 8: (256, 6, 128), 16: (288, 12, 128), 24: (288, 8, 128),
+                  32: (288, 8, 128), 64: (288, 20, 128), 128: (560, 12, 128), 144: (720, 8, 128), 160: (720, 8, 128)}
+
+
+def deepep_normal_bytes(hidden: int, ep_size: int) -> tuple[int, int]:
+    """DeepEP's normal-mode (NVLink, RDMA) buffer bytes for bf16 rows: its size hints
+    (csrc/legacy/config.hpp `get_nvl_buffer_size_hint`, `get_rdma_buffer_size_hint`: per channel
+    and peer, receive slots of a row, its source meta (8 bytes) and room for 128 top-k ids (int64),
+    128 weights and 128 scales) at its default configs (20 SMs: 10 channels), the larger of the
+    dispatch's and the combine's, as `build_deepep_buffer` asks for them."""
+    channels, nvl_ranks, rdma_ranks = 10, min(ep_size, 8), max(ep_size // 8, 1)
+    per_slot = 2 * hidden + 8 + 128 * (8 + 4 + 4)
+    nvl = rdma = 0
+    for nvl_recv, rdma_send, rdma_recv in (DEEPEP_DISPATCH[ep_size], DEEPEP_COMBINE[ep_size]):
+        nvl = max(nvl, channels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + nvl_recv * per_slot))
+        if ep_size > 8:
+            rdma_recv = -(-rdma_recv // rdma_send) * rdma_send
+            rdma = max(rdma, channels * rdma_ranks * 2 * ((8 * 2 + 2) * 4 + rdma_recv * (per_slot + 16)))
+    return -(-nvl // 128) * 128, -(-rdma // 128) * 128
 
 
 def activation_bytes(model_config, tokens: int, sampled_rows: int, dtype: torch.dtype, ep_size: int,
@@ -315,15 +332,18 @@ def deepep_components(config: EngineConfig, model_config) -> list[Component]:
     if p.moe_backend != "deepep" or p.ep_size == 1 or model_config.model_type != "deepseek_v3":
         return []
     from moespec.distributed import dispatch_capacity
-    from moespec.parallel.exchange import aligned_capacity
+    from moespec.parallel.exchange import aligned_capacity, capacity_rows
 
-    tokens = aligned_capacity(dispatch_capacity(config), p.ep_size)  # EPRuntime.max_tokens_per_rank
+    tokens = aligned_capacity(dispatch_capacity(config), p.ep_size, capacity_rows(p.moe_backend))  # EPRuntime's
     # with parallel.eplb the buffer serves every physical slot (E + R): the exchange routes to slots
     M, E = model_config.hidden_size, model_config.n_routed_experts + p.eplb.num_redundant_experts
-    return [Component("DeepEP low-latency buffer", deepep_low_latency_bytes(tokens, M, E),
+    low_latency = deepep_low_latency_bytes(tokens, M, E)
+    nvl, rdma = deepep_normal_bytes(M, p.ep_size)  # normal mode shares the RDMA area, sized to the larger
+    return [Component("DeepEP low-latency buffer", low_latency,
                       f"LowLatencyLayout for {tokens} tokens per rank x {E} expert slots x hidden {M}"),
-            Component("DeepEP normal buffers", deepep_normal_bytes(M, p.ep_size, model_config.num_experts_per_tok),
-                      "NVLink/RDMA size hints at DeepEP's default configs (estimate)")]
+            Component("DeepEP normal buffers", nvl + max(0, rdma - low_latency),
+                      "NVLink buffer and any RDMA beyond the low-latency area, DeepEP's size hints at its default "
+                      "configs")]
 
 
 def size_kv(config: EngineConfig, device: str, device_bytes: int, components: list[Component],

@@ -19,18 +19,20 @@ M hidden, G EP group size, N rows this rank sends, R rows it receives, P (row, e
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
+import torch.distributed as dist
 
 from moespec.models.layers import CAPTURING, OP_OBJECTS, REAL_ROWS
 from moespec.models.moe import EXPERT_NAME, LocalExperts
 from moespec.models.two_batch import Stages, drive, interleave
 from moespec.parallel.comm import Collectives, CommStream, Ready
 from moespec.parallel.exchange import (TOPK_IDX_DTYPE, Call, EmulatedBuffer, LowLatencyExchange,
-                                       aligned_capacity)
+                                       aligned_capacity, capacity_rows)
 from moespec.parallel.groups import ParallelContext, ParallelError
 
 Backend = Literal["torch", "deepep"]
@@ -58,8 +60,8 @@ class EPRuntime:
         self.two_batch = two_batch  # the halves take turns across whole forwards (two_batch_split)
         self.two_batch_plans = 0  # forwards planned as two halves so far
         self.captured_halves = 0  # MoE forwards of captured steps run as two microbatches so far
-        # DeepEP low-latency buffers: D * (1 + k), rounded up so that DeepEP's (ranks * C) % 4 == 0 holds
-        self.max_tokens_per_rank = aligned_capacity(max_tokens_per_rank, ctx.ep_size)
+        # DeepEP low-latency buffers: D * (1 + k), rounded up so that ranks * C is whole row tiles
+        self.max_tokens_per_rank = aligned_capacity(max_tokens_per_rank, ctx.ep_size, capacity_rows(backend))
         self.fp8_dispatch = fp8_dispatch  # low-latency dispatch in FP8 with per-128 scales (combine: model dtype)
         self.collectives = collectives or Collectives(ctx)
         self.stream = CommStream(self.collectives)
@@ -91,12 +93,17 @@ class EPRuntime:
         finally:
             self.active, self.split, self.low_latency, self.capacity, self.num_tokens = False, None, None, None, None
 
-    def configure(self, parallel, cuda_graph: bool = False) -> None:
-        """Take a config's attention layout and microbatching (its `parallel` section) and whether
-        its steps are captured (`model.cuda_graph`): engines built in turn on the same ranks may
-        differ in them. Two-batch overlap implies microbatching: forwards it does not split, split
-        inside the MoE layers."""
-        self.captured = cuda_graph
+    def configure(self, config, model_config=None, dtype: torch.dtype | None = None) -> None:
+        """Take an engine config's attention layout and microbatching (its `parallel` section) and
+        whether its steps are captured (`model.cuda_graph`): engines built in turn on the same ranks
+        may differ in them. Two-batch overlap implies microbatching: forwards it does not split, split
+        inside the MoE layers. With DeepEP, the model (its config and dtype) is checked against
+        what DeepEP's kernels take, at engine build rather than at the first MoE call."""
+        parallel = config.parallel
+        if self.backend == "deepep" and model_config is not None:
+            check_deepep_model(model_config.hidden_size, getattr(model_config, "num_experts_per_tok", 0), dtype,
+                               parallel.fp8_dispatch)
+        self.captured = config.model.cuda_graph
         self.dp = parallel.attention == "dp"
         self.microbatch = parallel.microbatch or parallel.two_batch_overlap
         self.two_batch = parallel.two_batch_overlap
@@ -136,6 +143,9 @@ class EPRuntime:
         if self.buffer is None:
             self.buffer = build_deepep_buffer(self, hidden, num_experts)
             self.buffer_shape = (hidden, num_experts)
+        elif self.buffer_shape != (hidden, num_experts):  # its sizes were DeepEP's hints for that shape
+            raise ParallelError(f"DeepEP's buffer of this process was sized for (hidden, experts) {self.buffer_shape}, "
+                                f"not {(hidden, num_experts)}: one process serves one DeepEP model shape")
         if low_latency and self.buffer_mode == "normal":
             self.buffer.clean_low_latency_buffer(self.max_tokens_per_rank, hidden, num_experts)
         self.buffer_mode = "low_latency" if low_latency else "normal"
@@ -537,14 +547,19 @@ class DeepEPExperts(EPExperts):
     kernels for decode and verify steps (`DeepEPExchange`, through `EPExperts.stages` like the
     torch backend), normal mode for prefill. Needs CUDA, NVSHMEM and a DeepEP build; it has not
     run on this project's CPU machines. Under data-parallel attention every rank must pick the
-    same mode although its batch is its own: the step's agreed `runtime.low_latency` decides."""
+    same mode although its batch is its own: the step's agreed `runtime.low_latency` decides
+    (without one: normal mode under data-parallel attention; with replicated batches, low latency
+    where the largest rank's share fits)."""
 
     def fixed_exchange(self, num_tokens: int) -> bool:
         low_latency = self.runtime.low_latency
-        if low_latency is None:  # no agreement (replicated batches): decide by this rank's share
-            lo, hi = self.runtime.rows_of(num_tokens)
-            return hi - lo <= self.runtime.max_tokens_per_rank
+        if low_latency is None:  # no agreement: what every rank decides alike (else one would wait forever)
+            return not self.runtime.dp and self.largest_share(num_tokens) <= self.runtime.max_tokens_per_rank
         return low_latency
+
+    def largest_share(self, num_tokens: int) -> int:
+        """The most rows any rank dispatches of a replicated batch of num_tokens (the same on all)."""
+        return -(-num_tokens // self.runtime.ctx.ep_size)
 
     def send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         if self.fixed_exchange(x.shape[0]):
@@ -561,13 +576,13 @@ class DeepEPExperts(EPExperts):
         """Prefill: layout -> dispatch -> experts (weighted here: DeepEP's combine sums unweighted)
         -> combine. The host waits for the receive counts here: prefill is not captured."""
         buf = self.runtime.deepep_buffer(x.shape[1], self.num_experts, low_latency=False)
-        ids = topk_ids.to(deepep_index_dtype())
+        ids, x = topk_ids.to(deepep_index_dtype()).contiguous(), x.contiguous()  # DeepEP asserts contiguous inputs
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, handle, _ = buf.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=topk_weights.float())
+            num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=topk_weights.float().contiguous())
         y = self.compute_rows(recv_x, recv_ids, recv_w.to(x.dtype))  # recv_ids are local ids, -1 elsewhere
-        combined, _, _ = buf.combine(y, handle)
+        combined, _, _ = buf.combine(y.contiguous(), handle)
         return combined  # [Ts, M]
 
 
@@ -587,6 +602,7 @@ def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
     node's ranks would need RDMA loopback through their NICs."""
     Buffer = import_deepep().Buffer
     group, size, budget = runtime.ctx.ep_group, runtime.ctx.ep_size, runtime.max_tokens_per_rank
+    check_deepep_hosts(gather_hosts(runtime.ctx))
     depth = 2 * (budget + 1)  # DeepEP asserts nvshmem_qp_depth >= (tokens + 1) * 2 (default depth 1024)
     if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < depth:
         os.environ["NVSHMEM_QP_DEPTH"] = str(depth)  # read when NVSHMEM starts, inside the Buffer
@@ -600,13 +616,54 @@ def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
                   explicitly_destroy=True)
 
 
+DEEPEP_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # its kernels' hidden sizes (3072: after v1.2.1)
+DEEPEP_MAX_TOP_K = 11  # its low-latency kernels' kNumMaxTopK
+DEEPEP_NVL_PEERS = 8  # ranks DeepEP takes as one NVLink node: each 8 consecutive ranks of the group
+
+
+def check_deepep_model(hidden: int, top_k: int, dtype: torch.dtype | None, fp8_dispatch: bool) -> None:
+    """What DeepEP's kernels take (csrc/kernels/legacy/launch.cuh's hidden sizes, internode_ll.cu's
+    top-k, buffer.hpp's bf16 rows; FP8 dispatch: hidden % 512), refused by name up front: DeepEP
+    asserts on one rank at the first MoE call, and the others wait for it until its timeout."""
+    if dtype is not None and dtype != torch.bfloat16:
+        raise ParallelError(f"parallel.moe_backend 'deepep' sends bfloat16 rows; model.dtype is {dtype}")
+    if hidden not in DEEPEP_HIDDEN:
+        raise ParallelError(f"parallel.moe_backend 'deepep': the model's hidden size {hidden} is not one DeepEP's "
+                            f"kernels are built for ({', '.join(map(str, DEEPEP_HIDDEN))}); use moe_backend 'torch'")
+    if top_k > DEEPEP_MAX_TOP_K:
+        raise ParallelError(f"parallel.moe_backend 'deepep': num_experts_per_tok {top_k} is over DeepEP's "
+                            f"{DEEPEP_MAX_TOP_K}")
+    if fp8_dispatch and hidden % 512:
+        raise ParallelError(f"parallel.fp8_dispatch needs hidden % 512 == 0 (DeepEP asserts it); hidden is {hidden}")
+
+
+def gather_hosts(ctx: ParallelContext) -> list[str]:
+    """Every EP rank's host name, in rank order (a collective on the control group)."""
+    hosts: list[str] = [""] * ctx.ep_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=ctx.control_group or ctx.ep_group)
+    return hosts
+
+
+def check_deepep_hosts(hosts: Sequence[str]) -> None:
+    """DeepEP takes each 8 consecutive ranks of the group (all of them, if fewer) as one NVLink
+    node and opens CUDA IPC handles between them (buffer.hpp `sync`): each such block must be one
+    host, or building the Buffer fails on every rank. hosts [G]: each EP rank's host."""
+    block = min(len(hosts), DEEPEP_NVL_PEERS)
+    for first in range(0, len(hosts), block):
+        if len(set(hosts[first:first + block])) > 1:
+            raise ParallelError(f"DeepEP takes EP ranks {first}-{first + block - 1} as one NVLink node, but they "
+                                f"run on hosts {', '.join(hosts[first:first + block])}: place 8 consecutive ranks on "
+                                "each node (or all ranks on one node when ep_size < 8), or use moe_backend 'torch'")
+
+
 def import_deepep():
     try:
         import deep_ep  # optional: built from source, see docs/expert-parallel.md
-    except ImportError as error:
+    except Exception as error:  # its import also checks the NCCL it was built with is the one loaded
         raise ParallelError("parallel.moe_backend 'deepep' needs DeepEP built from source "
-                            "(github deepseek-ai/DeepEP; the PyPI deep-ep package cannot compile); "
-                            "use moe_backend 'torch' otherwise") from error
+                            "(github deepseek-ai/DeepEP, v1.2.1 or later; the PyPI deep-ep package cannot compile); "
+                            f"use moe_backend 'torch' otherwise. Importing it failed: {error!r} (a mismatched NCCL: "
+                            "see DeepEP's EP_SUPPRESS_NCCL_CHECK)") from error
     return deep_ep
 
 

@@ -35,7 +35,9 @@ the other microbatch computes while a call is in flight.
   `all_to_all_single` on the EP comm thread; its hook waits for it. It enforces DeepEP's
   contracts: the double buffer (a receive after the next call was issued is an error, where
   DeepEP would hang or read zeroed counters), `(num_ranks * C) % 4 == 0`, tokens <= C, top-k ids
-  of DeepEP's `topk_idx_t` (int64), inputs on one device, FP8 only for hidden % 512 == 0.
+  of DeepEP's `topk_idx_t` (int64), contiguous inputs on one device, FP8 only for hidden % 512
+  == 0. Its counts are int32 and the rows past them NaN, rows and scales: DeepEP leaves them
+  as its buffer held them, so nothing downstream may read them.
 - On GPU with `moe_backend: deepep` the same exchange drives DeepEP's `Buffer` (the process's one).
 
 Shapes legend: T tokens this rank sends (T <= C), A activated experts per token, E experts
@@ -91,11 +93,19 @@ def check_capacity(num_tokens: int, capacity: int) -> None:
                             "uneven exchange")
 
 
-def aligned_capacity(capacity: int, num_ranks: int) -> int:
-    """The smallest C' >= capacity with (num_ranks * C') % 4 == 0: DeepEP asserts it ("TMA requires
-    the number of tokens to be multiple of 4", buffer.hpp low_latency_dispatch)."""
-    step = 4 // math.gcd(num_ranks, 4)
+def aligned_capacity(capacity: int, num_ranks: int, rows: int = 4) -> int:
+    """The smallest C' >= capacity with (num_ranks * C') % rows == 0, each expert's G*C' rows:
+    DeepEP asserts a multiple of 4 ("TMA requires the number of tokens to be multiple of 4",
+    buffer.hpp low_latency_dispatch); DeepGEMM's masked GEMM needs whole row tiles
+    (`capacity_rows`)."""
+    step = rows // math.gcd(num_ranks, rows)
     return -(-capacity // step) * step
+
+
+def capacity_rows(backend: str) -> int:
+    """What each expert's G*C rows are a multiple of: with DeepEP, DeepGEMM's 128-row tile (its
+    masked GEMM takes the received rows only then, `models.fp8.deep_gemm_takes`); else DeepEP's 4."""
+    return 128 if backend == "deepep" else 4
 
 
 class LowLatencyExchange:
@@ -130,8 +140,8 @@ class LowLatencyExchange:
         self.receive_in_flight()
         buffer = self.buffer_for(x.shape[1])
         recv_x, counts, handle, _, hook = buffer.low_latency_dispatch(
-            x, topk_ids.to(self.index_dtype), C, self.num_experts, use_fp8=self.runtime.fp8_dispatch,
-            return_recv_hook=True)
+            x.contiguous(), topk_ids.to(self.index_dtype).contiguous(), C, self.num_experts,
+            use_fp8=self.runtime.fp8_dispatch, return_recv_hook=True)
         return self.issue(hook, Received(recv_x, counts, handle, x.dtype))
 
     def combine(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, received: Received) -> Call:
@@ -139,8 +149,9 @@ class LowLatencyExchange:
         over each token's experts [T, M]."""
         self.receive_in_flight()
         buffer = self.buffer_for(y.shape[-1])
-        combined, _, hook = buffer.low_latency_combine(y, topk_ids.to(self.index_dtype), topk_weights.float(),
-                                                       received.handle, return_recv_hook=True)
+        combined, _, hook = buffer.low_latency_combine(y.contiguous(), topk_ids.to(self.index_dtype).contiguous(),
+                                                       topk_weights.float().contiguous(), received.handle,
+                                                       return_recv_hook=True)
         return self.issue(hook, combined)
 
 
@@ -216,7 +227,7 @@ class EmulatedBuffer:
         """-> (recv_x, recv_count [L], handle, event (None), hook), as DeepEP's."""
         C, (T, M), G, L = num_max_dispatch_tokens_per_rank, x.shape, self.size, self.num_local
         check_dispatch(x, topk_idx, C, num_experts, G, use_fp8)
-        counts = torch.empty(L, dtype=torch.int64, device=x.device)
+        counts = torch.empty(L, dtype=torch.int32, device=x.device)  # DeepEP's packed_recv_count: int32
         handle = EmulatedHandle(T, C)
         if use_fp8:  # DeepEP allocates the scales [L, M/128, G*C] and hands them over transposed (column-major)
             recv = (x.new_empty(L, G * C, M, dtype=torch.float8_e4m3fn),
@@ -230,6 +241,7 @@ class EmulatedBuffer:
                             handle: EmulatedHandle, return_recv_hook: bool = False):
         """-> (combined [T, M], event (None), hook), as DeepEP's."""
         check_same_device(x=x, topk_idx=topk_idx, topk_weights=topk_weights)
+        check_contiguous("low-latency combine", x=x, topk_idx=topk_idx, topk_weights=topk_weights)
         out = x.new_empty(handle.num_tokens, x.shape[-1])
         hook = self.send("combine", self.combine_now, x, topk_weights, handle, out)
         return out, None, self.hook_or_wait(hook, return_recv_hook)
@@ -262,7 +274,9 @@ class EmulatedBuffer:
         rows_in = got[:, :-8].reshape(G, L, C, W)
         recv_counts = got[:, -8:].contiguous().view(torch.int64).view(G, L)  # [source, expert]
         rows = compact_rows(recv_counts, C)  # [G, L, C]
-        packed = tokens.new_zeros(L, G * C + 1, W)  # one spare row takes the empty slots
+        # one spare row takes the empty slots; rows past the counts read as NaN (DeepEP's hold
+        # whatever its buffer held: nobody may read them)
+        packed = tokens.new_full((L, G * C + 1, W), 0xFF)
         experts = torch.arange(L, device=x.device)[None, :, None].expand(G, L, C)
         packed[experts, rows] = rows_in
         unpack_tokens(packed[:, :G * C], x.dtype, use_fp8, recv)
@@ -303,6 +317,7 @@ def check_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, C: int, num_experts:
     """What DeepEP's low_latency_dispatch asserts (buffer.hpp), and that its inputs share a device
     (its receive buffers are allocated like x: `x.options()`)."""
     check_same_device(x=x, topk_idx=topk_idx)
+    check_contiguous("low-latency dispatch", x=x, topk_idx=topk_idx)
     if x.dim() != 2 or topk_idx.dim() != 2 or x.shape[0] != topk_idx.shape[0]:
         raise ParallelError(f"low-latency dispatch: x {tuple(x.shape)} and topk_idx {tuple(topk_idx.shape)} must be "
                             "[T, M] and [T, A]")
@@ -317,6 +332,13 @@ def check_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, C: int, num_experts:
     if use_fp8 and x.shape[1] % 512:
         raise ParallelError(f"FP8 low-latency dispatch needs hidden % 512 == 0 (DeepEP asserts it); hidden is "
                             f"{x.shape[1]}: set parallel.fp8_dispatch: false")
+
+
+def check_contiguous(call: str, **tensors: torch.Tensor) -> None:
+    """DeepEP asserts every input of its calls contiguous (buffer.hpp)."""
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise ParallelError(f"{call}: {name} {tuple(tensor.shape)} is not contiguous (DeepEP asserts it)")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

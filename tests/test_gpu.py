@@ -69,15 +69,18 @@ def test_flashinfer_equals_torch_attention_mla(mode, q_len):
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
 
 
-def exchange_on(device: str, backend: str = "torch", ctx=None, microbatch: bool = False) -> torch.Tensor:
+def exchange_on(device: str, backend: str = "torch", ctx=None, microbatch: bool = False,
+                fp8_dispatch: bool = False) -> torch.Tensor:
     """A DeepSeek-shaped MoE layer (hidden 7168 is DeepEP's; 32 experts top-8) through the fixed-capacity
     exchange on `device` (EP=1 unless `ctx` says otherwise): each rank's 48 tokens, whole or as two
-    microbatches in turns (each low-latency call received before the next is issued)."""
+    microbatches in turns (each low-latency call received before the next is issued), dispatched
+    in bf16 or FP8 (e4m3 rows, per-128 scales)."""
     from moespec.config import ParallelSection
     from moespec.parallel import EPExperts, EPRuntime
     from moespec.parallel.groups import single_process_context
     ctx = ctx or single_process_context(ParallelSection())
-    runtime = EPRuntime(ctx, backend=backend, max_tokens_per_rank=64, microbatch=microbatch, dp=True)
+    runtime = EPRuntime(ctx, backend=backend, max_tokens_per_rank=64, microbatch=microbatch, dp=True,
+                        fp8_dispatch=fp8_dispatch)
     try:
         torch.manual_seed(0)
         experts = EPExperts(32, 7168, 256, runtime, 8).to(device=device, dtype=torch.bfloat16)
@@ -99,8 +102,8 @@ def test_fixed_capacity_exchange_on_gpu_equals_cpu():
 def deepep_rank(rank: int) -> dict:
     """One of two EP ranks: GPU rank % device_count (one GPU holds both ranks where there is only
     one), a gloo group (NCCL refuses two ranks on one GPU; DeepEP's Buffer uses its group for
-    host objects only). DeepEP's low-latency kernels, whole and microbatched, against the emulated
-    exchange over the same group on CPU."""
+    host objects only). DeepEP's low-latency kernels, whole, microbatched and with FP8 dispatch,
+    against the emulated exchange over the same group on CPU."""
     import datetime
 
     import torch.distributed as dist
@@ -112,9 +115,10 @@ def deepep_rank(rank: int) -> dict:
     cpu = ParallelContext(rank, 2, rank, dist.group.WORLD, rank, 2, rank == 0, torch.device("cpu"), 120.0)
     gpu = ParallelContext(rank, 2, rank, dist.group.WORLD, rank, 2, rank == 0, device, 120.0)
     try:
-        want = exchange_on("cpu", ctx=cpu)
+        want, want_fp8 = exchange_on("cpu", ctx=cpu), exchange_on("cpu", ctx=cpu, fp8_dispatch=True)
         return {"whole": (exchange_on(device, "deepep", gpu) - want).abs().max().item(),
-                "halves": (exchange_on(device, "deepep", gpu, microbatch=True) - want).abs().max().item()}
+                "halves": (exchange_on(device, "deepep", gpu, microbatch=True) - want).abs().max().item(),
+                "fp8": (exchange_on(device, "deepep", gpu, fp8_dispatch=True) - want_fp8).abs().max().item()}
     finally:
         destroy(cpu)
 
@@ -125,7 +129,9 @@ def test_deepep_low_latency_equals_the_emulation_at_ep2():
     from moespec.parallel.local_launch import run_ranks
     for outcome in run_ranks(deepep_rank, 2, timeout_s=150):
         assert outcome.error is None, outcome.error
-        assert max(outcome.value.values()) < 5e-2, outcome.value
+        # FP8: DeepEP's cast on the GPU may round a few e4m3 values the other way (bf16 vs FP8: 0.2)
+        errors, limits = outcome.value, {"whole": 5e-2, "halves": 5e-2, "fp8": 1e-1}
+        assert all(errors[key] < limit for key, limit in limits.items()), errors
 
 
 @needs_deepep

@@ -301,6 +301,70 @@ def test_deepep_backend_without_deepep_says_what_to_install():
         runtime.deepep_buffer(16, 8, low_latency=True)
 
 
+def test_deepep_refuses_models_its_kernels_do_not_take_at_engine_build():
+    """DeepEP's kernels take bf16 rows, eight hidden sizes and at most 11 experts a token: other
+    models are refused by name when the engine is built (`configure`), not by an assertion on one
+    rank at the first MoE call while the others wait."""
+    from types import SimpleNamespace
+
+    from moespec.parallel.ep_moe import check_deepep_model
+    check_deepep_model(7168, 8, torch.bfloat16, True)  # DeepSeek-V3
+    for args, named in [((7168, 8, torch.float32, False), "model.dtype"), ((256, 2, torch.bfloat16, False), "hidden"),
+                        ((4096, 12, torch.bfloat16, False), "num_experts_per_tok")]:
+        with pytest.raises(ParallelError, match=named):
+            check_deepep_model(*args)
+    runtime = fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu")))
+    from moespec.config import EngineConfig
+    runtime.backend, tiny = "deepep", SimpleNamespace(hidden_size=256, num_experts_per_tok=2)
+    with pytest.raises(ParallelError, match="hidden size 256"):
+        runtime.configure(EngineConfig(parallel=ParallelSection(ep_size=2, moe_backend="deepep")), tiny,
+                          torch.bfloat16)
+    runtime.backend = "torch"  # the emulated exchange takes any model
+    runtime.configure(EngineConfig(parallel=ParallelSection(ep_size=2)), tiny, torch.float32)
+
+
+@pytest.mark.parametrize("hosts,fits", [
+    (["a", "a"], True), (["a"] * 8, True), (["a"] * 8 + ["b"] * 8, True), (["a"] * 4 + ["b"] * 4, False),
+    (["a", "b"], False), (["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4, False)])
+def test_deepep_needs_each_block_of_8_ranks_on_one_host(hosts, fits):
+    """DeepEP takes each 8 consecutive ranks (all, if fewer) as one NVLink node and opens CUDA IPC
+    handles between them: EP 2 over two single-GPU hosts, or 16 ranks on 4 hosts of 4, would
+    fail inside the Buffer on every rank; it is refused naming the ranks and their hosts."""
+    from moespec.parallel.ep_moe import check_deepep_hosts
+    if fits:
+        check_deepep_hosts(hosts)
+    else:
+        with pytest.raises(ParallelError, match="as one NVLink node"):
+            check_deepep_hosts(hosts)
+
+
+def test_deepep_ranks_pick_one_exchange_without_an_agreed_mode():
+    """Without a mode agreed for the step, every rank must still pick the same DeepEP exchange (a
+    rank in normal mode and one in low latency wait for each other forever): with replicated
+    batches by the largest share, the same on every rank (2 ranks, T = 2C + 1: shares C and
+    C + 1); under data-parallel attention, whose batches differ, normal mode."""
+    C = 8
+    for dp in (False, True):
+        for T in (2 * C, 2 * C + 1):
+            picks = []
+            for rank in (0, 1):
+                runtime = fake_runtime(ParallelContext(rank, 2, 0, None, rank, 2, rank == 0, torch.device("cpu")))
+                runtime.buffer, runtime.low_latency, runtime.max_tokens_per_rank, runtime.dp = None, None, C, dp
+                picks.append(DeepEPExperts(8, 16, 8, runtime, 2).fixed_exchange(T))
+            assert picks == [not dp and T == 2 * C] * 2, (dp, T, picks)
+
+
+def test_one_deepep_buffer_serves_one_model_shape():
+    """The process's one DeepEP buffer was sized by DeepEP's hints for one (hidden, experts): a
+    later engine of another shape is refused by name, not left to overrun it."""
+    runtime = fake_runtime(ParallelContext(0, 2, 0, None, 0, 2, True, torch.device("cpu")))
+    runtime.fixed, runtime.buffer, runtime.buffer_mode = None, object(), "low_latency"
+    runtime.buffer_shape = (7168, 256)
+    assert runtime.deepep_buffer(7168, 256, low_latency=True) is runtime.buffer
+    with pytest.raises(ParallelError, match=r"sized for \(hidden, experts\) \(7168, 256\)"):
+        runtime.deepep_buffer(4096, 256, low_latency=True)
+
+
 def test_a_captured_step_cleans_deepeps_buffer_after_normal_mode():
     """A replay runs DeepEP's low-latency kernels without their Python: after normal-mode use
     (a prefill step) the buffer is cleaned before it, once, as the first eager low-latency call
@@ -478,6 +542,18 @@ def test_capacity_is_aligned_for_deepep():
     assert [aligned_capacity(c, 1) for c in (1, 4, 5)] == [4, 4, 8]
     assert [aligned_capacity(c, g) for c, g in ((3, 4), (3, 16), (7, 6))] == [3, 3, 8]
     assert local_runtime(max_tokens_per_rank=5).max_tokens_per_rank == 8
+
+
+def test_deepep_capacity_gives_every_expert_whole_deep_gemm_row_tiles():
+    """With DeepEP each local expert receives G*C rows, which DeepGEMM's masked GEMM takes only as
+    whole 128-row tiles (a partial tile writes into the next expert's rows): the runtime rounds C
+    so that G*C is a multiple of 128, and the plan sizes DeepEP's buffer for that C."""
+    from moespec.parallel.exchange import aligned_capacity, capacity_rows
+    assert capacity_rows("deepep") == 128 and capacity_rows("torch") == 4
+    cases = ((99, 2), (5, 16), (9, 16), (1, 128), (3, 6))
+    assert [aligned_capacity(c, g, 128) for c, g in cases] == [128, 8, 16, 1, 64]
+    assert local_runtime(max_tokens_per_rank=99, backend="deepep").max_tokens_per_rank == 128
+    assert local_runtime(max_tokens_per_rank=99).max_tokens_per_rank == 100
 
 
 def test_fp8_dispatch_casts_rows_as_deepep():

@@ -71,9 +71,9 @@ def test_deepseek_v3_on_8_h200s_says_whether_it_fits_and_why():
 
 
 def test_the_deepep_buffer_is_planned_for_the_capacity_the_runtime_rounds_to():
-    """DeepEP asserts (num_ranks * C) % 4 == 0, so the runtime rounds C up (`aligned_capacity`):
-    33 requests x (1 + k + 1) = 99 tokens per rank at EP 2 become 100, and the plan counts the
-    buffer for 100."""
+    """The runtime rounds DeepEP's C up so that each expert's G*C rows are whole 128-row tiles
+    of DeepGEMM's masked GEMM (`aligned_capacity`): 33 requests x (1 + k + 1) = 99 tokens per rank
+    at EP 2 become 128, and the plan counts the buffer for 128."""
     from moespec.models.weights import read_hf_config
     from moespec.plan import deepep_components, deepep_low_latency_bytes
     from moespec.models.deepseek_v3 import DeepseekV3Config
@@ -82,7 +82,21 @@ def test_the_deepep_buffer_is_planned_for_the_capacity_the_runtime_rounds_to():
     model_config = DeepseekV3Config.from_hf(read_hf_config(config.model.path))
     buffer = {c.name: c.bytes for c in deepep_components(config, model_config)}["DeepEP low-latency buffer"]
     M, E = model_config.hidden_size, model_config.n_routed_experts
-    assert buffer == deepep_low_latency_bytes(100, M, E) > deepep_low_latency_bytes(99, M, E)
+    assert buffer == deepep_low_latency_bytes(128, M, E) > deepep_low_latency_bytes(99, M, E)
+
+
+def test_deepep_normal_buffers_are_deepeps_size_hints():
+    """DeepEP's normal-mode buffers by its own hint formulas (config.hpp) at its default configs,
+    worked out for DeepSeek-V3 (bf16 rows of 7168): at EP 8 one node, NVLink only; at EP 16 the
+    dispatch's 288 NVLink slots and the dispatch's RDMA slots (128 aligned up to 20 send tokens:
+    140) per channel; the plan's normal-mode line adds the RDMA beyond the low-latency area."""
+    from moespec.plan import deepep_normal_bytes
+    per_slot = 2 * 7168 + 8 + 128 * 16  # row, source meta, 128 top-k ids (int64), weights, scales
+    one_node = 10 * 8 * (5 * 4 + 256 * per_slot)
+    assert deepep_normal_bytes(7168, 8) == (-(-one_node // 128) * 128, 0)
+    nvl = 10 * 8 * (7 * 4 + 288 * per_slot)
+    rdma = 10 * 2 * 2 * (18 * 4 + 140 * (per_slot + 16))
+    assert deepep_normal_bytes(7168, 16) == (-(-nvl // 128) * 128, -(-rdma // 128) * 128)
 
 
 def test_plan_cli_json():
