@@ -43,18 +43,21 @@ class CudaGraphs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)  # every capture on the model's device (torch.cuda.graph's
+        # own stream would be the current device's, whose capture records none of this model's kernels)
 
     def capture(self, fn) -> CudaReplay:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARM_UP_RUNS):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: under overlap scheduling the helper thread keeps planning meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = fn()
+        with torch.cuda.device(self.device):  # the model's device is current while its kernels are captured
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(WARM_UP_RUNS):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: under overlap scheduling the helper thread keeps planning meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = fn()
         return CudaReplay(graph, outputs)
 
 

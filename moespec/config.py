@@ -254,6 +254,10 @@ class EngineConfig:
         if self.parallel.two_batch_overlap and self.model.attention_backend != "torch":
             # each half needs a plan of its own; FlashInfer's wrappers hold one plan each
             raise ConfigError("parallel.two_batch_overlap needs model.attention_backend: torch")
+        if self.model.compile and self.model.attention_backend == "flashinfer":
+            # its wrappers are planned at a step's first attention layer, which would be traced
+            raise ConfigError("model.compile does not take model.attention_backend: flashinfer (FlashInfer's plan "
+                              "cannot run inside torch.compile); use model.cuda_graph alone, or the torch backend")
         if self.model.cuda_graph:
             self.check_cuda_graph()
         if self.speculation.tree is not None and self.speculation.mode != "none":

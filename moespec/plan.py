@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from moespec import throughput
-from moespec.attention.flashinfer_backend import WORKSPACE_BYTES
+from moespec.attention.flashinfer_backend import INT_WORKSPACE_BYTES, WORKSPACE_BYTES
 from moespec.config import ConfigError, EngineConfig
 
 GiB = 2**30
@@ -265,7 +265,8 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
                                                                  dtype),
                                     f"target hidden states awaiting the MTP layer: max_num_seqs x {held} x hidden "
                                     "(speculation.mtp_hold_tokens; 1 + k across ranks)"))
-    components += deepep_components(config, model_config) + flashinfer_components(config)
+    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
+    components += deepep_components(config, model_config) + flashinfer_components(config, max_model_len)
     components.append(Component("penalty counts", sched.max_num_seqs * PENALTY_COUNT_BYTES * model_config.vocab_size,
                                 "kept for running requests with penalties (sampling.TokenCounts): "
                                 "max_num_seqs x 5 bytes x vocab"))
@@ -277,7 +278,6 @@ def plan_memory(config: EngineConfig, device_bytes: int | None = None) -> Memory
     components.append(Component("reserve", RESERVE["cuda" if device.startswith("cuda") else "cpu"],
                                 "CUDA context, NCCL, allocator slack (estimate)" if device.startswith("cuda")
                                 else "the Python process (estimate)"))
-    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     return size_kv(config, device, device_bytes, components, weights, per_token, max_model_len,
                    {"quantization": quantization, "ep_size": config.parallel.ep_size,
                     "attention": "dp" if dp else "replicated", "model": config.model.path})
@@ -314,17 +314,30 @@ def build_drafter(config: EngineConfig, dtype: torch.dtype) -> tuple[str, str, t
     return None
 
 
-def flashinfer_components(config: EngineConfig) -> list[Component]:
+def flashinfer_components(config: EngineConfig, max_model_len: int) -> list[Component]:
     """One FlashInfer float workspace per attention backend, which every plan and captured step of
-    it shares: the target's runner and the speculator's, and each one's static steps."""
+    it shares: the target's runner and the speculator's, and each one's static steps. And each
+    wrapper's own int workspace (8 MiB on the device, as much pinned on the host): one per runner,
+    and one per captured step (model.cuda_graph: a graph's wrappers are its own), counted for every
+    shape that may be captured: batch buckets x the step kinds (decode; verify when speculating;
+    the speculator's draft steps). FlashInfer's graphs serve every KV length (one capture each)."""
+    from moespec.static_step import static_spec
+
     m = config.model
     if m.attention_backend != "flashinfer":
         return []
-    runners = 1 + (config.speculation.mode != "none")
+    speculating = config.speculation.mode != "none"
+    runners = 1 + speculating
     backends = runners * (1 + bool(m.compile or m.cuda_graph))
+    wrappers = runners
+    if m.cuda_graph:
+        wrappers += len(static_spec(config, max_model_len).buckets) * (1 + 2 * speculating)
     return [Component("FlashInfer workspaces", backends * WORKSPACE_BYTES,
                       f"{backends} x {WORKSPACE_BYTES // 2**20} MiB: one per attention backend (runners and their "
-                      "static steps), shared by all of its plans")]
+                      "static steps), shared by all of its plans"),
+            Component("FlashInfer int workspaces", wrappers * INT_WORKSPACE_BYTES,
+                      f"{wrappers} wrappers x {INT_WORKSPACE_BYTES // 2**20} MiB: one per runner and per step shape "
+                      "that may be captured, at most (as much again pinned on the host)")]
 
 
 def deepep_components(config: EngineConfig, model_config) -> list[Component]:

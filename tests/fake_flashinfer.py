@@ -3,6 +3,7 @@ backend uses, with the contract read from FlashInfer's sources (flashinfer/prefi
 flashinfer/mla/_core.py), computed in plain torch.
 
 What it holds the caller to, as FlashInfer does or needs:
+- `plan` never runs inside torch.compile (nor inside a CUDA graph's capture);
 - index tensors are int32; q and the cache are float16 or bfloat16, of the dtypes given to
   `plan`; head dims FlashInfer compiles (64, 128, 256; MLA: 512 latent + 64 rope);
 - queries are the last q_len positions of their request's KV (causal alignment);
@@ -11,6 +12,9 @@ What it holds the caller to, as FlashInfer does or needs:
   plan's; `run` reads the buffers alone, with shapes fixed by their sizes and no host read, so a
   captured step replays correctly only when it was planned again before the replay.
 
+- a plan stages its schedule in the wrapper's one pinned host buffer, copied to the device
+  asynchronously: with `FakeWrapper.async_staging`, planning a wrapper again before an event
+  recorded after its last plan was waited on (`FakeEvent`) is an error;
 - the float workspace is a uint8 tensor; `FakeWrapper.workspaces` keeps the distinct ones
   handed to wrappers (FlashInfer keeps a reference and writes its partial results there).
 
@@ -35,6 +39,8 @@ def check_int32(**tensors: torch.Tensor) -> None:
 class FakeWrapper:
     runs = {"graph": 0, "eager": 0}
     workspaces: dict[int, torch.Tensor] = {}  # data_ptr -> each distinct float workspace given
+    async_staging = False  # model the device's asynchronous copy of each plan's pinned staging buffer
+    staging: set = set()  # wrappers whose last plan's staged copy may not have run yet
 
     def keep_workspace(self, workspace: torch.Tensor) -> None:
         if not torch.is_tensor(workspace) or workspace.dtype != torch.uint8:
@@ -54,7 +60,15 @@ class FakeWrapper:
             self.batch_size = len(self.buffers["qo_indptr"]) - 1
 
     def fill(self, **values: torch.Tensor) -> None:
-        """plan's index tensors: copied into the fixed buffers (CUDA graph mode), else kept."""
+        """plan's index tensors: copied into the fixed buffers (CUDA graph mode), else kept. Never
+        inside torch.compile ("The plan method cannot be used in Cuda Graph or in torch.compile")."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("a FlashInfer wrapper's plan cannot run inside torch.compile")
+        if self in FakeWrapper.staging:
+            raise RuntimeError("planned again before its last plan's staged schedule was copied to the device: the "
+                               "pinned staging buffer is overwritten under the copy still queued")
+        if FakeWrapper.async_staging:
+            FakeWrapper.staging.add(self)
         check_int32(**values)
         if not self.use_cuda_graph:
             self.buffers = {name: v.clone() for name, v in values.items()}
@@ -180,6 +194,17 @@ class BatchMLAPagedAttentionWrapper(FakeWrapper):
         return attend(q, torch.cat([ckv, kpe], dim=-1), ckv, mask, self.scale)
 
 
+class FakeEvent:
+    """torch.cuda.Event for the staging model: a plan's staged copy has run once an event recorded
+    after it has been waited on."""
+
+    def record(self) -> None:
+        self.after = set(FakeWrapper.staging)
+
+    def synchronize(self) -> None:
+        FakeWrapper.staging -= self.after
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Put the fake in sys.modules as `flashinfer` for one test."""
     module = types.ModuleType("flashinfer")
@@ -188,4 +213,5 @@ def install(monkeypatch) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     FakeWrapper.runs = {"graph": 0, "eager": 0}
     FakeWrapper.workspaces = {}
+    FakeWrapper.async_staging, FakeWrapper.staging = False, set()
     return module

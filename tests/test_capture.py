@@ -3,6 +3,8 @@ against the capture (moespec.capture.CheckedReplay), so what a CUDA graph would 
 fails here: an input passed anew instead of copied into the captured buffer, a Python branch on
 a value, a device value read on the host. Through the engine, greedy output is the same with
 capture on and off."""
+import contextlib
+
 import pytest
 import torch
 
@@ -146,3 +148,40 @@ def test_config_checks():
                                  "parallel": {"ep_size": 2, "moe_exchange": "fixed", key: True}}).model.cuda_graph
     assert build_config({}, {"model": "m", "cuda_graph": True, "parallel": {"ep_size": 2, "moe_backend": "deepep"}})
     assert build_config({}, {"model": "m", "cuda_graph": True}).model.cuda_graph
+
+
+def test_cuda_graphs_capture_on_the_models_device(monkeypatch):
+    """torch.cuda.graph captures on a stream of the current device by default: for a model on
+    cuda:1 in a process whose current device is cuda:0, it would record none of the model's
+    kernels and every replay would return stale outputs. Warm-up and capture run with the model's
+    device current, the capture on a stream of that device (torch.cuda mocked: no GPU here)."""
+    from contextlib import contextmanager
+
+    from moespec.capture import CudaGraphs
+    current, seen = ["cuda:0"], []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = str(device)
+
+        def wait_stream(self, other):
+            pass
+
+    @contextmanager
+    def on_device(device):
+        saved, current[0] = current[0], str(device)
+        yield
+        current[0] = saved
+
+    @contextmanager
+    def capturing(graph, pool=None, stream=None, capture_error_mode="global"):
+        seen.append(("capture stream", stream.device if stream is not None else current[0]))
+        yield
+
+    for name, value in {"graph_pool_handle": lambda: object(), "Stream": Stream, "device": on_device,
+                        "current_stream": lambda device=None: Stream(device or current[0]),
+                        "stream": lambda s: contextlib.nullcontext(), "CUDAGraph": lambda: object(),
+                        "graph": capturing}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    CudaGraphs(torch.device("cuda", 1)).capture(lambda: seen.append(("run on", current[0])) or ())
+    assert set(seen) == {("run on", "cuda:1"), ("capture stream", "cuda:1")}

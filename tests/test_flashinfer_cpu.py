@@ -9,7 +9,7 @@ import torch
 import fake_flashinfer
 from moespec import LLM, SamplingParams
 from moespec.attention import TorchPagedAttention, create_backend
-from moespec.attention.flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention
+from moespec.attention.flashinfer_backend import INT_WORKSPACE_BYTES, WORKSPACE_BYTES, FlashInferAttention
 from moespec.batch import Span, pack_spans
 from moespec.model_runner import ModelRunner
 from moespec.models import load_model
@@ -93,6 +93,53 @@ def test_greedy_identical_with_cuda_graph_on_flashinfer(flashinfer, llama64, mod
         assert llm.engine.speculator.runner.static.captured
 
 
+def test_a_draft_chain_waits_for_each_plans_staged_copy(flashinfer, llama64, monkeypatch, no_leaked_pages):
+    """A draft chain plans the draft's eager wrapper once per drafted token within one step, and
+    FlashInfer stages each plan's schedule in that wrapper's one pinned host buffer, copied to the
+    device asynchronously: each plan waits for an event recorded after the last one (on CUDA,
+    torch.cuda.Event) before it overwrites the buffer. The tokens are those without the fence."""
+    batch = prompts([5, 23, 9], seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3
+    spec = {"mode": "draft", "draft_model": llama64[1], "num_speculative_tokens": 3}
+    options = dict(model=llama64[0], dtype="bfloat16", attention_backend="flashinfer", page_size=4, num_kv_pages=128,
+                   max_num_seqs=4, speculation=spec)
+    ref = [o.token_ids for o in LLM(**options).generate(batch, params, use_tqdm=False)]
+    fake_flashinfer.FakeWrapper.async_staging = True
+    monkeypatch.setattr(FlashInferAttention, "__init__", with_fake_events(FlashInferAttention.__init__))
+    assert [o.token_ids for o in LLM(**options).generate(batch, params, use_tqdm=False)] == ref
+    monkeypatch.setattr(FlashInferAttention, "wait_staged", lambda self, kind: None)
+    with pytest.raises(RuntimeError, match="staged schedule"):
+        LLM(**options).generate(batch, params, use_tqdm=False)
+    no_leaked_pages.pop()  # that engine stopped mid-step, on purpose
+
+
+def with_fake_events(init):
+    def build(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.new_event = fake_flashinfer.FakeEvent
+    return build
+
+
+def test_compiled_steps_refuse_flashinfer_whose_plan_cannot_be_traced(flashinfer):
+    """FlashInfer plans its wrappers at a step's first attention layer (it needs the head layout),
+    which a compiled step would trace ("The plan method cannot be used in Cuda Graph or in
+    torch.compile"; traced, a step ran on an older step's pages): model.compile refuses the
+    backend by name, and the stand-in refuses a plan inside torch.compile."""
+    from moespec.config import ConfigError, EngineConfig, ModelSection
+    with pytest.raises(ConfigError, match="model.compile .*flashinfer"):
+        EngineConfig(model=ModelSection(path="m", compile=True, attention_backend="flashinfer"))
+    EngineConfig(model=ModelSection(path="m", cuda_graph=True, attention_backend="flashinfer"))
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(8, dtype=torch.uint8))
+    one = torch.tensor([0, 1], dtype=torch.int32)
+
+    def plan():
+        wrapper.plan(one, one, torch.zeros(1, dtype=torch.int32), one[1:], 1, 1, 64, 4, causal=True)
+        return torch.ones(1)
+
+    with pytest.raises(Exception, match="cannot run inside torch.compile"):
+        torch.compile(plan, backend="eager", fullgraph=True)()
+
+
 def test_captured_plans_share_their_backends_one_workspace(flashinfer, llama64):
     """Three captured steps (batches of 1, 2 and 4 requests) and the eager steps: two workspaces in
     all, the runner's (eager) and its static steps' (every captured plan), however many shapes are
@@ -117,7 +164,10 @@ def test_captured_plans_share_their_backends_one_workspace(flashinfer, llama64):
 
 def test_plan_counts_one_workspace_per_flashinfer_backend():
     """`moespec plan` counts a FlashInfer workspace per backend: the target's and its speculator's
-    runners, and each one's static steps when steps are compiled or captured."""
+    runners, and each one's static steps when steps are compiled or captured; and each wrapper's
+    own 8 MiB int workspace: one per runner, and one per step shape that may be captured (a
+    captured step's wrappers are its own, and one serves every KV length): 11 batch buckets
+    (max_num_seqs 64) for decode, and with a draft model for verify and the draft's steps too."""
     from pathlib import Path
 
     from moespec.config import build_config
@@ -125,15 +175,19 @@ def test_plan_counts_one_workspace_per_flashinfer_backend():
     model = {"path": str(tiny / "tiny-llama"), "device": "cpu", "attention_backend": "flashinfer"}
     draft = {"mode": "draft", "draft_model": str(tiny / "tiny-llama-draft"), "num_speculative_tokens": 2}
 
-    def workspaces(model: dict, speculation: dict | None = None) -> int | None:
+    def workspaces(model: dict, speculation: dict | None = None, name: str = "FlashInfer workspaces") -> int | None:
         config = build_config({"model": model, **({"speculation": speculation} if speculation else {})})
         named = {c.name: c.bytes for c in plan_memory(config, 24 * 2**30).components}
-        return named.get("FlashInfer workspaces")
+        return named.get(name)
 
     assert workspaces(model) == WORKSPACE_BYTES
     assert workspaces({**model, "cuda_graph": True}) == 2 * WORKSPACE_BYTES
     assert workspaces({**model, "cuda_graph": True}, draft) == 4 * WORKSPACE_BYTES
     assert workspaces({**model, "attention_backend": "torch"}) is None
+    ints = "FlashInfer int workspaces"
+    assert workspaces(model, name=ints) == INT_WORKSPACE_BYTES
+    assert workspaces({**model, "cuda_graph": True}, name=ints) == (1 + 11) * INT_WORKSPACE_BYTES
+    assert workspaces({**model, "cuda_graph": True}, draft, name=ints) == (2 + 11 * 3) * INT_WORKSPACE_BYTES
 
 
 def test_flashinfer_planning_reads_nothing_on_the_device(flashinfer):

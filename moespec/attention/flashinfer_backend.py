@@ -31,6 +31,7 @@ import torch
 from moespec.attention.base import AttentionMetadata, LayerKV
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # each wrapper's own (FlashInfer allocates it), as much pinned on the host
 
 
 class FlashInferAttention:
@@ -54,6 +55,11 @@ class FlashInferAttention:
         self.meta: AttentionMetadata | None = None
         self.slots: torch.Tensor | None = None  # [T] cache rows this step's keys and values go to
         self.planned: tuple | None = None  # the head layout the wrappers are planned for
+        # each wrapper's last plan, an event after it (CUDA): a plan stages its schedule in the
+        # wrapper's one pinned host buffer and copies it to the device asynchronously (prefill.py
+        # `_pin_memory_int_workspace_buffer`), so the next plan of that wrapper waits for the copy
+        self.staged: dict[str, object] = {}
+        self.new_event = (lambda: torch.cuda.Event()) if self.device.type == "cuda" else None
 
     def wrapper(self, kind: str):
         if kind not in self.wrappers:
@@ -96,17 +102,30 @@ class FlashInferAttention:
         meta, int32 = self.meta.host or self.meta, torch.int32
         H, Hk, Dk, v_dim, scale, mla, q_dtype, kv_dtype = layout
         qo, kv, idx = meta.qo_indptr.to(int32), meta.kv_indptr.to(int32), meta.kv_indices.to(int32)
+        kind = "mla" if mla else "paged"
+        self.wait_staged(kind)
         if mla:
             if meta.custom_mask is not None:
                 raise NotImplementedError("FlashInfer MLA attention has no custom (tree) mask; use the torch backend")
-            self.wrapper("mla").plan(qo, kv, idx, meta.kv_lens().to(int32), H, v_dim, Dk - v_dim, meta.page_size,
-                                     True, scale, q_dtype, kv_dtype)
+            self.wrapper(kind).plan(qo, kv, idx, meta.kv_lens().to(int32), H, v_dim, Dk - v_dim, meta.page_size,
+                                    True, scale, q_dtype, kv_dtype)
         else:
-            self.wrapper("paged").plan(qo, kv, idx, meta.kv_last_page_len.to(int32), H, Hk, Dk, meta.page_size,
-                                       head_dim_vo=v_dim, custom_mask=meta.custom_mask,
-                                       causal=meta.custom_mask is None, sm_scale=scale, q_data_type=q_dtype,
-                                       kv_data_type=kv_dtype)
+            self.wrapper(kind).plan(qo, kv, idx, meta.kv_last_page_len.to(int32), H, Hk, Dk, meta.page_size,
+                                    head_dim_vo=v_dim, custom_mask=meta.custom_mask,
+                                    causal=meta.custom_mask is None, sm_scale=scale, q_data_type=q_dtype,
+                                    kv_data_type=kv_dtype)
+        if self.new_event is not None:
+            self.staged[kind] = self.new_event()
+            self.staged[kind].record()
         self.planned = layout
+
+    def wait_staged(self, kind: str) -> None:
+        """Before a wrapper is planned again: wait until its last plan's staged schedule has been
+        copied to the device (a draft chain plans one wrapper several times a step, with nothing
+        else waiting on the device in between)."""
+        event = self.staged.pop(kind, None)
+        if event is not None:
+            event.synchronize()
 
     def static_plan(self) -> FlashInferAttention:
         """A copy of this plan for a captured step: CUDA-graph wrappers over index buffers for
