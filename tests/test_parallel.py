@@ -606,6 +606,32 @@ def test_fp8_dispatch_feeds_the_experts_fp8_rows_and_scales():
         runtime.close()
 
 
+def test_the_emulated_buffer_hands_over_what_deepep_does_and_takes_only_what_it_takes():
+    """As DeepEP's low-latency dispatch: int32 counts, and rows past them as the buffer held them
+    (here NaN, rows and FP8 scales alike: a path that read them would show); non-contiguous
+    inputs are refused (DeepEP asserts them contiguous)."""
+    from moespec.parallel.exchange import EmulatedBuffer
+    runtime = local_runtime(max_tokens_per_rank=8)
+    try:
+        buffer = EmulatedBuffer(runtime, 8)
+        x, ids, _ = routed_batch(5, hidden=512)
+        for fp8 in (False, True):
+            recv, counts, _, _, hook = buffer.low_latency_dispatch(x, ids, 8, 8, use_fp8=fp8, return_recv_hook=True)
+            hook()
+            rows, scales = recv if fp8 else (recv, None)
+            assert counts.dtype == torch.int32 and counts.sum() == 10
+            for e, count in enumerate(counts.tolist()):
+                assert not rows[e, :count].float().isnan().any() and rows[e, count:].float().isnan().all()
+                if fp8:
+                    assert scales[e, count:].isnan().all() and not scales[e, :count].isnan().any()
+        with pytest.raises(ParallelError, match="x .* is not contiguous"):
+            buffer.low_latency_dispatch(x.t().contiguous().t(), ids, 8, 8)
+        with pytest.raises(ParallelError, match="topk_idx .* is not contiguous"):
+            buffer.low_latency_dispatch(x, ids.t().contiguous().t(), 8, 8)
+    finally:
+        runtime.close()
+
+
 def test_helper_threads_run_on_this_ranks_cuda_device(monkeypatch):
     """torch.cuda.set_device holds per thread: the overlap scheduler's prepare thread and the EP
     comm thread set this rank's device before they build a tensor (a new thread is on cuda:0)."""
