@@ -74,6 +74,9 @@ class EPRuntime:
         self.fixed: LowLatencyExchange | None = None  # the fixed-capacity exchange, built on first use
         self.buffer, self.buffer_mode = None, None  # DeepEP: one Buffer per process
         self.buffer_shape: tuple[int, int] | None = None  # (hidden, experts) it serves
+        # DeepEP: every rank's host, gathered here, where no helper thread yet uses the control group
+        # (the Buffer is built inside the first forward, beside overlap's agreement on the next step)
+        self.hosts = gather_hosts(ctx) if backend == "deepep" and ctx.ep_size > 1 else None
 
     @contextmanager
     def step(self, qo_bounds: Sequence[int] | None = None, low_latency: bool | None = None,
@@ -602,7 +605,7 @@ def build_deepep_buffer(runtime: EPRuntime, hidden: int, num_experts: int):
     node's ranks would need RDMA loopback through their NICs."""
     Buffer = import_deepep().Buffer
     group, size, budget = runtime.ctx.ep_group, runtime.ctx.ep_size, runtime.max_tokens_per_rank
-    check_deepep_hosts(gather_hosts(runtime.ctx))
+    check_deepep_hosts(runtime.hosts)
     depth = 2 * (budget + 1)  # DeepEP asserts nvshmem_qp_depth >= (tokens + 1) * 2 (default depth 1024)
     if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < depth:
         os.environ["NVSHMEM_QP_DEPTH"] = str(depth)  # read when NVSHMEM starts, inside the Buffer
