@@ -154,9 +154,9 @@ def deepep_low_latency_bytes(tokens: int, hidden: int, num_experts: int) -> int:
     combine_msg = 4 * scales + 2 * hidden
     send = max(tokens * dispatch_msg, num_experts * tokens * combine_msg)
     recv = num_experts * tokens * max(dispatch_msg, combine_msg)
-    signaling = num_experts * 4
+    signaling = -(-num_experts * 4 // 128) * 128
     total = 2 * (send + recv + signaling)
-    return -(-total // 128) * 128
+    return (total + 128) // 128 * 128  # as DeepEP rounds it: 128 more where already aligned
 
 
 # DeepEP v1.2.1's default normal-mode configs per EP size (Buffer.get_dispatch_config and

@@ -99,6 +99,19 @@ def test_deepep_normal_buffers_are_deepeps_size_hints():
     assert deepep_normal_bytes(7168, 16) == (-(-nvl // 128) * 128, -(-rdma // 128) * 128)
 
 
+def test_deepep_low_latency_buffer_is_deepeps_size_hint():
+    """`get_low_latency_rdma_size_hint` (config.hpp LowLatencyLayout) for DeepSeek-V3 at 384 tokens
+    per rank: two send and two receive buffers, each E x C of the larger message (a combine's: 56
+    scale pairs and the bf16 row, against a dispatch's 16-byte header and bf16 row), two
+    signaling areas of E ints aligned to 128, and DeepEP's rounding, which adds 128 to a total
+    already aligned."""
+    from moespec.plan import deepep_low_latency_bytes
+    C, M, E = 384, 7168, 256
+    combine = 4 * (M // 128) + 2 * M
+    total = 4 * (E * C * combine) + 2 * 1024
+    assert deepep_low_latency_bytes(C, M, E) == (total + 128) // 128 * 128
+
+
 def test_plan_cli_json():
     run = subprocess.run([sys.executable, "-m", "moespec", "plan", "--config", str(DEEPSEEK), "--set",
                           "parallel.ep_size=16", "--gpu-memory", "141GB", "--json"], capture_output=True, text=True,
