@@ -303,8 +303,11 @@ def engine_rank(rank: int, checkpoint: str, scenarios: list[dict], overlap: bool
             time.sleep(1.0 if rank == 1 else 0.0)
             return gather(ctx)
 
+        delayed = []  # rank 0's helper: its first agreement only
+
         def late_agree(self, *args, **kwargs):
-            time.sleep(1.0 if rank == 0 and threading.current_thread() is not threading.main_thread() else 0.0)
+            if rank == 0 and not delayed and threading.current_thread() is not threading.main_thread():
+                delayed.append(time.sleep(1.0))
             return agree(self, *args, **kwargs)
         ep_moe.gather_hosts, Lockstep.agree = late_gather, late_agree
     ranks = join_ranks(engine_config(checkpoint, 2, scenarios[0], overlap))
