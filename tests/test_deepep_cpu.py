@@ -40,6 +40,8 @@ from moespec.kv_cache import KVCache, PageAllocator
 from moespec.models import load_model
 from moespec.parallel import EPRuntime, destroy, ep_experts_factory, init_parallel, split_point
 from moespec.parallel.local_launch import run_ranks
+from test_distributed_engine import run_schedule as serve_greedy  # -> (outputs, verify steps)
+from tiny_models import save_tiny_deepseek
 
 HIDDEN = 2048
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 1, 60, 2, 11], [9, 4, 4, 30, 2, 11, 18, 40, 6], [70, 71, 72, 73, 74, 75, 76, 77],
@@ -59,30 +61,10 @@ MOE_LAYERS = 3  # the target's layers 1 and 2, and the MTP layer
 TOLERANCE = 0.03  # of the reference's largest |logit| (bf16's 8 bits of mantissa, through 3 layers + MTP)
 
 
-def save_tiny_deepseek_2048(path) -> None:
-    """tiny_models.save_tiny_deepseek with hidden 2048 (and its MTP layer): still small (8 experts of
-    intermediate 32, 4 heads of 24 dims), so a forward takes milliseconds."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from reference import randomize_routing
-    from tiny_models import add_random_mtp_layer
-    torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=120, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
-                              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                              num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                              v_head_dim=16, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-                              num_nextn_predict_layers=0)
-    model = DeepseekV3ForCausalLM(config).eval()
-    randomize_routing(model)
-    model.save_pretrained(path)
-    add_random_mtp_layer(path, config, model)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-deepseek-2048")
-    save_tiny_deepseek_2048(path)
+    save_tiny_deepseek(path, mtp=True, hidden=HIDDEN, max_positions=256)  # 8 experts of 32: a forward in ms
     return str(path)
 
 
@@ -269,20 +251,6 @@ def engine_config(checkpoint: str, ep_size: int, scenario: dict, overlap: bool =
                                       "moe_backend": "deepep" if ep_size > 1 else "torch"}})
 
 
-def serve(engine, requests) -> list[list[int]]:
-    """Rank 0: add each request at its arrival step, step until all are done -> greedy outputs."""
-    from moespec.sampling import SamplingParams
-    pending, seqs, step = sorted(enumerate(requests), key=lambda item: item[1][0]), {}, 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][1][0] <= step:
-            index, (_, prompt, max_tokens) = pending.pop(0)
-            seqs[index] = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                    ignore_eos=True))
-        engine.step()
-        step += 1
-    return [seqs[i].output_ids for i in range(len(requests))]
-
-
 def engine_rank(rank: int, checkpoint: str, scenarios: list[dict], overlap: bool = False,
                 interleave: bool = False) -> list:
     """Each scenario an Engine (moe_backend: deepep) on the same ranks, so one DeepEP Buffer serves
@@ -316,7 +284,7 @@ def engine_rank(rank: int, checkpoint: str, scenarios: list[dict], overlap: bool
         for scenario in scenarios:
             engine = Engine(engine_config(checkpoint, 2, scenario, overlap), ranks=ranks)
             if ranks.ctx.leader:
-                results.append(serve(engine, ENGINE_REQUESTS))
+                results.append(serve_greedy(engine, ENGINE_REQUESTS)[0])
                 engine.stop_ranks()
             else:
                 engine.serve_forever()
@@ -338,7 +306,8 @@ def test_deepep_engine_across_ranks_matches_one_process(checkpoint):
     errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.error is not None]
     assert not errors, "\n".join(errors)
     for scenario, got in zip(ENGINE_SCENARIOS, outcomes[0].value[0]):
-        want = serve(Engine(engine_config(checkpoint, 1, scenario)), [(0, p, n) for _, p, n in ENGINE_REQUESTS])
+        one = Engine(engine_config(checkpoint, 1, scenario))
+        want = serve_greedy(one, [(0, p, n) for _, p, n in ENGINE_REQUESTS])[0]
         assert got == want, scenario
     for outcome in outcomes:
         _, buffers, destroyed, calls = outcome.value

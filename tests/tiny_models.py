@@ -5,14 +5,16 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, L
 from reference import randomize_routing
 
 
-def save_tiny_deepseek(path, mtp: bool = False, vocab_size: int = 120, layers: int = 3) -> DeepseekV3ForCausalLM:
+def save_tiny_deepseek(path, mtp: bool = False, vocab_size: int = 120, layers: int = 3, hidden: int = 64,
+                       max_positions: int = 128) -> DeepseekV3ForCausalLM:
     """A random tiny DeepSeek-V3; with `mtp`, plus a random MTP layer in the released naming."""
     torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    config = DeepseekV3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=96, moe_intermediate_size=32,
                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                               num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                               kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                              v_head_dim=16, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+                              v_head_dim=16, max_position_embeddings=max_positions, eos_token_id=None,
+                              bos_token_id=None,
                               num_nextn_predict_layers=0)
     model = DeepseekV3ForCausalLM(config).eval()
     randomize_routing(model)
