@@ -266,8 +266,14 @@ def deep_gemm_takes(values: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def cuda_major(device: torch.device) -> int | None:
-    """The compute capability's major of a CUDA device (9: Hopper), None off CUDA."""
-    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    """The compute capability's major of a CUDA device (9: Hopper), None off CUDA. Asked by every
+    MoE layer of every step: read once per device."""
+    return capability_major(device.index) if device.type == "cuda" else None
+
+
+@functools.cache
+def capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.cache

@@ -557,12 +557,9 @@ class DeepEPExperts(EPExperts):
     def fixed_exchange(self, num_tokens: int) -> bool:
         low_latency = self.runtime.low_latency
         if low_latency is None:  # no agreement: what every rank decides alike (else one would wait forever)
-            return not self.runtime.dp and self.largest_share(num_tokens) <= self.runtime.max_tokens_per_rank
+            largest_share = -(-num_tokens // self.runtime.ctx.ep_size)  # of a replicated batch: alike on all ranks
+            return not self.runtime.dp and largest_share <= self.runtime.max_tokens_per_rank
         return low_latency
-
-    def largest_share(self, num_tokens: int) -> int:
-        """The most rows any rank dispatches of a replicated batch of num_tokens (the same on all)."""
-        return -(-num_tokens // self.runtime.ctx.ep_size)
 
     def send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         if self.fixed_exchange(x.shape[0]):
