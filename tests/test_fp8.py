@@ -208,11 +208,15 @@ class OutputsComputed(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.elements = 0
+        self.grouped = False  # whether any grouped_mm ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.ops.aten._grouped_mm.default:
+            self.grouped = True
+            if out.device.type == "meta":
+                return out
             offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
             self.elements += int(offs[-1]) * out.shape[-1]
         elif func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default):
@@ -357,8 +361,15 @@ def test_grouped_mm_only_where_it_reads_no_host(monkeypatch, major, dtype, devic
     elsewhere its fallback copies the group ends to the host and loops, which a captured step
     cannot hold: there the masked experts take the every-row path instead."""
     from moespec.models import fp8
+    from moespec.models.moe import LocalExperts
     monkeypatch.setattr(fp8, "cuda_major", lambda device: major)
     assert fp8.grouped_mm_reads_no_host(torch.empty(2, 3, dtype=dtype, device="meta")) is device_kernel
+    with torch.device("meta"):  # `meta` as the GPU the capability names: the path the layer takes
+        experts = LocalExperts(2, 128, 64).to(dtype)
+        x, counts = torch.empty(2, 16, 128, dtype=dtype), torch.empty(2, dtype=torch.int32)
+    with OutputsComputed() as computed:
+        experts.forward_masked(x, counts)
+    assert computed.grouped == device_kernel
 
 
 def test_cublaslt_is_read_for_torchs_own_cuda():
